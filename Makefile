@@ -1,0 +1,35 @@
+# posttrain: `make speedrun` and `make test` set everything up on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PRESET ?= tiny
+ARGS ?=
+
+.PHONY: setup speedrun test test-fast bench serve clean
+
+setup: $(VENV)/.installed
+
+# torch first, from its exact pin (the CPU wheel on these machines); deepspeed's sdist imports
+# torch at build time, so it is built without isolation against the torch just installed.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -c constraints.txt deepspeed
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	touch $@
+
+speedrun: setup
+	$(BIN)/posttrain speedrun --preset $(PRESET) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python -m tests.bench
+
+clean:
+	rm -rf artifacts mlflow.db mlruns
