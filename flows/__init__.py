@@ -1,0 +1,1 @@
+"""Prefect flows: the speedrun DAG and each stage runnable on its own."""

@@ -1,0 +1,1 @@
+"""Prefect tasks: one per pipeline stage, wrapping trainer/ with caching and MLflow tracking."""

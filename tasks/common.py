@@ -1,0 +1,216 @@
+"""What every stage task shares: cache keys, the manifest commit, and MLflow tracking.
+
+A stage's cache key = hash(its config sections + seed, its inputs' manifest keys, code version).
+Its outputs live in `<artifact_root>/<stage>/<key>/`, committed by `manifest.json` written last:
+a folder with a manifest is a finished result (a cache hit), one without is not. Keys live in the
+artifact store rather than in Prefect's local cache records so that a re-run on another machine
+(or against the same s3:// root) finds the same results, and so that deleting a folder really
+forces a recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer import storage
+from trainer.config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+@functools.cache
+def code_version() -> str:
+    """Hash of the pipeline's own source (trainer/ and tasks/): any change invalidates caches."""
+    h = hashlib.sha256()
+    for pkg in ("trainer", "tasks"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(f.relative_to(ROOT).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def stage_key(cfg: RunConfig, stage: str, sections: tuple[str, ...], inputs: dict[str, dict | None]) -> str:
+    payload = {
+        "stage": stage,
+        "config": cfg.section_hash(*sections),
+        "seed": cfg.seed,
+        "inputs": {k: (v or {}).get("key") for k, v in sorted(inputs.items())},
+        "code": code_version(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- tracking
+
+@dataclass(frozen=True)
+class TrackingRef:
+    """Where a stage logs: the MLflow parent run of this pipeline run (picklable, small)."""
+
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    flow_run_id: str | None = None
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class MlflowLogger:
+    """trainer.tracking.MetricLogger on one MLflow run, through MlflowClient (thread-safe)."""
+
+    def __init__(self, client, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+                 for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        if rows:
+            columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+            self.client.log_table(self.run_id, data=columns, artifact_file=name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+
+def client_for(ref: TrackingRef):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=ref.tracking_uri)
+
+
+def child_logger(ref: TrackingRef, stage: str, tags: dict[str, Any]) -> MlflowLogger:
+    client = client_for(ref)
+    run = client.create_run(ref.experiment_id, run_name=stage, tags={
+        "mlflow.parentRunId": ref.parent_run_id, "posttrain.stage": stage,
+        **({"prefect.flow_run_id": ref.flow_run_id} if ref.flow_run_id else {}),
+        **{k: str(v) for k, v in tags.items()},
+    })
+    return MlflowLogger(client, run.info.run_id)
+
+
+# ---------------------------------------------------------------- the stage runner
+
+def prefect_logger():
+    """The Prefect run logger inside a task, else a std logger (tests calling .fn directly)."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("posttrain")
+
+
+def work_dir_for(folder: str) -> Path:
+    """Where a stage writes: its folder itself when local, a local scratch folder for s3://."""
+    if not storage.is_remote(folder):
+        path = Path(storage.fs_for(folder)[1])
+    else:
+        scratch = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
+        path = scratch / hashlib.sha256(folder.encode()).hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_stage(
+    stage: str,
+    cfg: RunConfig,
+    sections: tuple[str, ...],
+    inputs: dict[str, dict | None],
+    body: Callable[[Path, MlflowLogger], dict[str, Any]],
+    ref: TrackingRef,
+) -> dict[str, Any]:
+    """Return the stage's manifest: from cache if committed, else by running `body`.
+
+    `body(work_dir, logger)` writes its files into work_dir and returns {"metrics": {...}, ...};
+    the runner uploads the folder (for s3:// roots) and commits the manifest last."""
+    log = prefect_logger()
+    key = stage_key(cfg, stage, sections, inputs)
+    folder = storage.join(cfg.artifact_root, stage, key)
+    t0 = time.perf_counter()
+    manifest = storage.read_manifest(folder)
+    if manifest is not None:
+        logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": manifest.get("mlflow_run_id", "")})
+        logger.log_metrics(manifest.get("metrics", {}))
+        logger.client.set_terminated(logger.run_id)
+        log.info("%s: cache hit (key %s) at %s", stage, key, folder)
+        return {**manifest, "cache_hit": True, "wall_seconds": time.perf_counter() - t0,
+                "mlflow_run_id": logger.run_id}
+    logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": key})
+    logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
+    log.info("%s: running (key %s); MLflow child run %s", stage, key, logger.run_id)
+    work = work_dir_for(folder)
+    try:
+        extra = body(work, logger)
+    except BaseException:
+        from mlflow.entities import RunStatus
+
+        logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
+        raise
+    storage.put_dir(work, folder)
+    wall = time.perf_counter() - t0
+    manifest = {
+        "stage": stage, "key": key, "uri": folder, "code_version": code_version(),
+        "config": {s: cfg.to_dict()[s] for s in sections}, "seed": cfg.seed,
+        "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
+        **extra,
+    }
+    storage.commit_manifest(folder, manifest)
+    logger.log_metrics({f"{stage}/wall_seconds": wall})
+    logger.log_text(json.dumps(manifest, indent=2, sort_keys=True), "manifest.json")
+    logger.client.set_terminated(logger.run_id)
+    log.info("%s: done in %.1fs, committed %s", stage, wall, storage.join(folder, storage.MANIFEST))
+    return {**manifest, "cache_hit": False}
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="posttrain-"))

@@ -1,0 +1,96 @@
+"""One pipeline run: its MLflow parent run, the stage records, headline metrics and the summary."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import yaml
+
+from tasks.common import MlflowLogger, TrackingRef, prefect_logger, tracking_uri
+from trainer import storage
+from trainer.config import RunConfig
+
+
+@dataclass
+class PipelineRun:
+    cfg: RunConfig
+    ref: TrackingRef
+    logger: MlflowLogger
+    flow_name: str
+    started: float = field(default_factory=time.perf_counter)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    headline: dict[str, float] = field(default_factory=dict)
+
+    def add(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Record a finished stage (ran or cache hit) and pass its manifest on."""
+        self.stages.append(manifest)
+        return manifest
+
+    def report(self, **metrics: float) -> None:
+        """Headline metrics on the parent run under stable names (nightly comparisons use them)."""
+        self.headline.update(metrics)
+        self.logger.log_metrics(metrics)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "mlflow_run_id": self.ref.parent_run_id,
+            "flow_run_id": self.ref.flow_run_id,
+            "headline": dict(self.headline),
+            "wall_seconds": time.perf_counter() - self.started,
+            "stages": [{"stage": m["stage"], "key": m["key"], "uri": m["uri"], "cache_hit": m["cache_hit"],
+                        "wall_seconds": m["wall_seconds"], "metrics": m.get("metrics", {})}
+                       for m in self.stages],
+        }
+
+
+def _experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # created meanwhile by a concurrent run
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _flow_run() -> tuple[str | None, str | None]:
+    from prefect.runtime import flow_run
+
+    try:
+        return flow_run.id, flow_run.name
+    except Exception:
+        return None, None
+
+
+@contextmanager
+def pipeline_run(cfg: RunConfig, flow_name: str) -> Iterator[PipelineRun]:
+    from mlflow import MlflowClient
+    from mlflow.entities import RunStatus
+
+    log = prefect_logger()
+    uri = tracking_uri()
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = _experiment_id(client, cfg.tracking.experiment)
+    flow_run_id, flow_run_name = _flow_run()
+    tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name}
+    if flow_run_id:
+        tags.update({"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name or ""})
+    run = client.create_run(exp_id, run_name=f"{flow_name}-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
+    ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id)
+    logger = MlflowLogger(client, run.info.run_id)
+    log.info("MLflow run %s (experiment %r, tracking %s)", run.info.run_id, cfg.tracking.experiment, uri)
+    logger.log_params(cfg.to_dict())
+    resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    logger.log_text(resolved, "config.yaml")
+    storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
+    pipe = PipelineRun(cfg, ref, logger, flow_name)
+    try:
+        yield pipe
+    except BaseException:
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+        raise
+    pipe.report(wall_seconds=time.perf_counter() - pipe.started)
+    client.set_terminated(run.info.run_id)

@@ -1,0 +1,41 @@
+"""prepare_data stage: build the normalised train/test jsonl files.
+
+Run alone: `posttrain prepare-data --preset tiny`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import TrackingRef, run_stage
+from trainer import data as D
+from trainer import storage
+from trainer.config import RunConfig
+
+
+@task(name="prepare_data", cache_policy=NO_CACHE)
+def prepare_data(cfg: RunConfig, ref: TrackingRef) -> dict:
+    def body(work: Path, logger) -> dict:
+        prepared = D.prepare(cfg.data, cfg.seed)
+        files = {
+            "train.jsonl": storage.write_jsonl(str(work / "train.jsonl"), prepared.train),
+            "test.jsonl": storage.write_jsonl(str(work / "test.jsonl"), prepared.test),
+        }
+        report = {"n_train": len(prepared.train), "n_test": len(prepared.test),
+                  "n_skipped": len(prepared.skipped), "skipped": prepared.skipped[:100]}
+        storage.write_json(str(work / "report.json"), report)
+        metrics = {"data/n_train": len(prepared.train), "data/n_test": len(prepared.test),
+                   "data/n_skipped": len(prepared.skipped)}
+        logger.log_metrics(metrics)
+        logger.log_table([{"id": ex["id"], "messages": ex["messages"], "answer": ex["answer"]}
+                          for ex in prepared.train[:20]], "data_samples.json")
+        return {"metrics": metrics, "files": files}
+
+    return run_stage("prepare_data", cfg, ("data",), {}, body, ref)
+
+
+def load_split(manifest: dict, split: str) -> list[dict]:
+    return storage.read_jsonl(storage.join(manifest["uri"], f"{split}.jsonl"))

@@ -1,0 +1,44 @@
+"""sft stage: DeepSpeed supervised fine-tuning, then a save_pretrained export of the policy.
+
+Run alone: `posttrain sft --preset tiny` (prepare_data and tokenizer come from cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import TrackingRef, run_stage
+from tasks.prepare_data import load_split
+from tasks.tokenizer import tokenizer_dir
+from trainer import engine as ds
+from trainer import storage
+from trainer.model import build_model, count_params, resolve_pretrained
+from trainer.sft import train_sft
+from trainer.tokenizer import load_tokenizer
+
+
+@task(name="sft", cache_policy=NO_CACHE)
+def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_step: int | None = None) -> dict:
+    def body(work: Path, logger) -> dict:
+        tok_path = tokenizer_dir(tokenizer) if tokenizer else resolve_pretrained(cfg.model.pretrained)
+        tok = load_tokenizer(tok_path)
+        model = build_model(cfg.model, tok, cfg.seed)
+        logger.log_params({"model.n_params": count_params(model)})
+        engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
+        ds.export_model(engine, tok, work / "model")
+        metrics = {"sft/final_loss": result.final_loss, "sft/tokens_per_second": result.tokens_per_second,
+                   "sft/train_seconds": result.train_seconds, "sft/steps": result.steps,
+                   "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(engine.module)}
+        logger.log_metrics(metrics)
+        logger.log_artifact(work / "model", "model")
+        return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
+
+    return run_stage("sft", cfg, ("model", "tokenizer", "sft"), {"data": data, "tokenizer": tokenizer}, body, ref)
+
+
+def model_dir(manifest: dict) -> Path:
+    return storage.local_dir(storage.join(manifest["uri"], manifest["model_subdir"]))

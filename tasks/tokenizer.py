@@ -1,0 +1,36 @@
+"""tokenizer stage (from-scratch presets): train a BPE tokenizer on the prepared train text.
+
+Run alone: `posttrain tokenizer --preset tiny`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import TrackingRef, run_stage
+from tasks.prepare_data import load_split
+from trainer import storage
+from trainer.tokenizer import train_tokenizer as train_bpe
+
+
+@task(name="tokenizer", cache_policy=NO_CACHE)
+def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
+    def body(work: Path, logger) -> dict:
+        train = load_split(data, "train")
+        texts = (m["content"] for ex in train for m in ex["messages"])
+        tok = train_bpe(texts, cfg.tokenizer.vocab_size, work / "tokenizer")
+        sample = train[0]["messages"]
+        ids = tok.apply_chat_template(sample, tokenize=False)
+        n_tokens = len(tok(ids, add_special_tokens=False)["input_ids"])
+        metrics = {"tokenizer/vocab_size": len(tok), "tokenizer/sample_tokens": n_tokens}
+        logger.log_metrics(metrics)
+        return {"metrics": metrics, "tokenizer_subdir": "tokenizer"}
+
+    return run_stage("tokenizer", cfg, ("tokenizer",), {"data": data}, body, ref)
+
+
+def tokenizer_dir(manifest: dict) -> Path:
+    return storage.local_dir(storage.join(manifest["uri"], manifest["tokenizer_subdir"]))

@@ -1,0 +1,237 @@
+"""Datasets: a synthetic GSM8K-style generator and real datasets, normalised to chat examples.
+
+Every example becomes {"id", "messages": [system?, user, assistant], "answer"} where "answer" is
+the gold final answer (the text after `####`). Real data comes through `datasets` from local
+jsonl/json/parquet, an `s3://` URI (s3fs), or a hub name. A malformed row raises `DataError`
+naming the file, row and field, or is skipped and counted when `on_bad_row: skip`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from trainer.config import DataConfig, SyntheticData
+from trainer.errors import InputError
+
+ANSWER_RE = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+class DataError(InputError):
+    """Bad input data; the message names the file, row and field and how to fix it."""
+
+
+@dataclass
+class PreparedData:
+    train: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+    skipped: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- synthetic task
+
+NAMES = ["Ann", "Ben", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo"]
+ITEMS = ["apples", "books", "coins", "eggs", "pens", "cards", "shells", "cups"]
+ADD = ["{p} buys {n} more.", "{p} finds {n} more.", "{p} gets {n} more."]
+SUB = ["{p} gives away {n}.", "{p} loses {n}.", "{p} sells {n}."]
+MUL = ["{p} then has {n} times as many.", "The pile grows {n} times bigger."]
+
+
+def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, str]:
+    """One word problem: (question, step-by-step answer ending in `#### n`, final answer)."""
+    lo, hi = (1 if cfg.digits == 1 else 10 ** (cfg.digits - 1)), 10**cfg.digits - 1
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    value = rng.randint(lo, hi)
+    sentences = [f"{name} has {value} {item}."]
+    steps = []
+    for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
+        op = rng.choice(cfg.ops)
+        if op == "-" and value < lo:
+            op = "+"  # keep counts non-negative: nothing to take away
+        n = rng.randint(lo, min(hi, value)) if op == "-" else rng.randint(max(lo, 2) if op == "*" else lo, hi)
+        template = {"+": ADD, "-": SUB, "*": MUL}[op]
+        sentences.append(rng.choice(template).format(p="They" if rng.random() < 0.3 else name, n=n))
+        new = value + n if op == "+" else value - n if op == "-" else value * n
+        steps.append(f"{value}{op}{n}={new}")
+        value = new
+    question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    answer = "\n".join(steps) + f"\n#### {value}"
+    return question, answer, str(value)
+
+
+def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
+    """Deterministic train/test sets; test problems never appear in train."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    test: list[dict[str, Any]] = []
+    train: list[dict[str, Any]] = []
+    attempts = 0
+    while len(test) < cfg.n_test or len(train) < cfg.n_train:
+        attempts += 1
+        if attempts > 50 * (cfg.n_train + cfg.n_test):
+            raise DataError(
+                f"data.synthetic: only {len(train) + len(test)} distinct problems exist for these "
+                "settings; raise digits or max_ops, or lower n_train/n_test"
+            )
+        q, a, final = generate_problem(rng, cfg)
+        bucket = test if len(test) < cfg.n_test else train
+        if q in seen and bucket is test:
+            continue
+        if bucket is test:
+            seen.add(q)
+        elif q in seen:
+            continue  # never train on a held-out question
+        bucket.append(make_example(f"syn-{len(bucket)}", q, a, final))
+    return PreparedData(train=train, test=test)
+
+
+def make_example(ex_id: str, question: str, answer: str, final: str, system: str | None = None) -> dict:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"id": ex_id, "messages": messages, "answer": final}
+
+
+# ---------------------------------------------------------------- real datasets
+
+def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any]]]:
+    """(label for errors, rows) for the train or test part, through `datasets`."""
+    import datasets
+
+    if cfg.source == "hub":
+        split = cfg.hub_train_split if which == "train" else cfg.hub_test_split
+        label = f"{cfg.hub_name}[{split}]"
+        try:
+            ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
+        except Exception as exc:  # the hub or a network can fail in many ways
+            raise DataError(f"data.hub_name: could not load {label}: {exc}. Check the name, "
+                            "or download it and use source=files with data.train") from None
+        return label, ds
+    path = cfg.train if which == "train" else cfg.test
+    assert path is not None
+    from trainer.storage import exists
+
+    if not exists(path):
+        raise DataError(f"data.{which}: file {path!r} does not exist; fix the path or URI")
+    fmt = "parquet" if path.endswith(".parquet") else "json"
+    try:
+        ds = datasets.load_dataset(fmt, data_files={which: path}, split=which,
+                                   storage_options=_storage_options(path))
+    except Exception as exc:
+        raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {exc}; "
+                        "use jsonl (one JSON object per line), json or parquet") from None
+    return path, ds
+
+
+def _storage_options(path: str) -> dict[str, Any] | None:
+    from trainer.storage import storage_options
+
+    return storage_options(path) or None
+
+
+def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig) -> dict[str, Any]:
+    """One raw row -> example; raises DataError naming the file, row and field."""
+    where = f"{label} row {index + 1}"
+    f = cfg.fields
+    if f.messages:
+        msgs = row.get(f.messages)
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: field {f.messages!r} must be a non-empty list of messages")
+        for m in msgs:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: field {f.messages!r} has a message without role "
+                                "(system/user/assistant) and string content")
+        if msgs[-1]["role"] != "assistant":
+            raise DataError(f"{where}: field {f.messages!r} must end with an assistant message")
+        final = _final_answer(msgs[-1]["content"], where, f.messages)
+        return {"id": str(row.get("id", f"{label}:{index}")), "messages": msgs, "answer": final}
+    for name in (f.question, f.answer):
+        value = row.get(name)
+        if not isinstance(value, str) or not value.strip():
+            present = sorted(row)
+            raise DataError(f"{where}: field {name!r} is missing or empty (row has {present}); "
+                            "set data.fields to the right column names or fix the row")
+    final = _final_answer(row[f.answer], where, f.answer)
+    return make_example(str(row.get("id", f"{label}:{index}")), row[f.question].strip(),
+                        row[f.answer].strip(), final, cfg.system_prompt)
+
+
+def _final_answer(text: str, where: str, field_name: str) -> str:
+    m = ANSWER_RE.search(text)
+    if m:
+        return m.group(1).replace(",", "").strip()
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    raise DataError(f"{where}: field {field_name!r} has no final answer; it must end with "
+                    "'#### <answer>' (GSM8K) or contain \\boxed{<answer>}")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, with nested braces."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j].strip()
+    return None
+
+
+def _normalise_all(label: str, rows: Iterable[dict], cfg: DataConfig, limit: int | None,
+                   skipped: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for i, row in enumerate(rows):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            out.append(normalise(label, i, row, cfg))
+        except DataError as exc:
+            if cfg.on_bad_row == "error":
+                raise DataError(f"{exc} (or set data.on_bad_row=skip to drop such rows)") from None
+            skipped.append(str(exc))
+    if not out:
+        raise DataError(f"{label}: no usable rows; check data.fields against the file's columns")
+    return out
+
+
+def prepare(cfg: DataConfig, seed: int) -> PreparedData:
+    """Build the normalised train/test sets for a data config (deterministic for a seed)."""
+    if cfg.source == "synthetic":
+        data = synthetic(cfg.synthetic, seed)
+        if cfg.system_prompt:
+            for ex in data.train + data.test:
+                ex["messages"].insert(0, {"role": "system", "content": cfg.system_prompt})
+        return data
+    skipped: list[str] = []
+    label, rows = _load_rows(cfg, "train")
+    train = _normalise_all(label, rows, cfg, None, skipped)
+    has_test = cfg.test is not None if cfg.source == "files" else cfg.hub_test_split is not None
+    if has_test:
+        tlabel, trows = _load_rows(cfg, "test")
+        test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped)
+    else:
+        if cfg.test_size >= len(train):
+            raise DataError(f"data.test_size={cfg.test_size} leaves no training rows out of "
+                            f"{len(train)}; lower it or give data.test")
+        order = list(range(len(train)))
+        random.Random(seed).shuffle(order)
+        test = [train[i] for i in order[: cfg.test_size]]
+        train = [train[i] for i in sorted(order[cfg.test_size :])]
+    if cfg.max_train is not None:
+        train = train[: cfg.max_train]
+    if cfg.max_test is not None:
+        test = test[: cfg.max_test]
+    return PreparedData(train=train, test=test, skipped=skipped)
+
+
+def prompt_messages(example: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation up to (not including) the final assistant turn."""
+    return example["messages"][:-1]

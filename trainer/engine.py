@@ -1,0 +1,93 @@
+"""DeepSpeed set-up shared by SFT and GRPO: process group, engine config, model export."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import DeepSpeedConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group, or make a one-rank group for a plain process."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip: float) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "bf16": {"enabled": ds.precision == "bf16"},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, Any]):
+    import deepspeed
+
+    init_distributed()
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    return engine, optimizer, scheduler
+
+
+def export_model(engine, tokenizer, out_dir: str | Path) -> None:
+    """save_pretrained of the full (unpartitioned) weights, from rank 0."""
+    import deepspeed
+
+    module = engine.module
+    stage = engine.zero_optimization_stage()
+    params = list(module.parameters()) if stage == 3 else []
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
+        if rank() == 0:
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(str(out_dir))
+
+
+def state_dict_hash(module: torch.nn.Module) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
+    return h.hexdigest()

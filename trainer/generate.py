@@ -1,0 +1,79 @@
+"""Batched generation with the policy's own weights (the in-process HF engine's core).
+
+Prompts are left-padded; generation stops at EOS or `max_new_tokens`. Returns the new token ids,
+their log-probabilities under the sampling distribution, and why each sequence stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 256,
+    seed: int | None = None,
+    progress=None,
+) -> list[Generation]:
+    """Greedy when temperature == 0, else sampling with temperature / top-p."""
+    was_training = model.training
+    model.eval()
+    out: list[Generation] = []
+    generator_seed = seed
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    # Longest prompts first keeps padding low; results are put back in input order.
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    results: dict[int, Generation] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = [prompts[i] for i in idx]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for r, p in enumerate(batch):
+            ids[r, width - len(p):] = torch.tensor(p)
+            attn[r, width - len(p):] = 1
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed + start)
+        kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                      eos_token_id=eos, return_dict_in_generate=True, output_logits=True)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+        gen = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        new = gen.sequences[:, width:]
+        logits = torch.stack(gen.logits, dim=1).float()  # raw logits: [B, T, V]
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        for r, i in enumerate(idx):
+            toks = new[r].tolist()
+            n = toks.index(eos) + 1 if eos in toks else len(toks)
+            reason = "stop" if eos in toks[:n] else "length"
+            body = toks[:n]
+            results[i] = Generation(
+                prompt_ids=prompts[i], token_ids=body, logprobs=logp[r, :n].tolist(),
+                text=tok.decode(body, skip_special_tokens=True), finish_reason=reason,
+            )
+        if progress is not None:
+            progress.update(len(idx))
+    out = [results[i] for i in range(len(prompts))]
+    model.train(was_training)
+    return out

@@ -1,0 +1,65 @@
+"""Policy models: a tiny Llama built from the config, or a pretrained model from a local path,
+an `s3://` URI (downloaded once into the local cache) or a hub name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from trainer import storage
+from trainer.config import ModelConfig
+from trainer.errors import InputError
+
+
+class ModelLoadError(InputError):
+    pass
+
+
+def resolve_pretrained(ref: str) -> str:
+    """A local folder for s3:// and local refs; hub names pass through unchanged."""
+    if storage.is_remote(ref):
+        if not storage.exists(ref):
+            raise ModelLoadError(f"model.pretrained: {ref!r} does not exist; check the URI and credentials")
+        return str(storage.local_dir(ref))
+    if ref.startswith((".", "/", "~")) or Path(ref).exists():
+        path = Path(ref).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model.pretrained: {ref!r} is not a model folder (no config.json); "
+                                 "point it at a save_pretrained folder")
+        return str(path)
+    return ref  # a hub name: works where the machine can reach the hub
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> torch.nn.Module:
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.pretrained:
+        ref = resolve_pretrained(cfg.pretrained)
+        try:
+            return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
+        except OSError as exc:
+            raise ModelLoadError(f"model.pretrained: could not load {cfg.pretrained!r}: {exc}") from None
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

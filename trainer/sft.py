@@ -1,0 +1,171 @@
+"""Supervised fine-tuning on DeepSpeed: loss on assistant tokens only, AdamW with warmup + cosine,
+gradient clipping and accumulation, checkpoints that resume exactly, and a save_pretrained export.
+
+Run alone: `posttrain sft --preset tiny` (the CLI resolves the upstream stages from cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from trainer import checkpoint, engine as ds
+from trainer.chat import encode_chat
+from trainer.config import RunConfig
+from trainer.errors import InputError
+from trainer.progress import progress_bar
+from trainer.tracking import MetricLogger, NullLogger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTResult:
+    steps: int
+    final_loss: float
+    tokens_per_second: float
+    train_seconds: float
+    n_examples: int
+    n_truncated: int
+    resumed_from_step: int | None
+    state_hash: str
+
+
+def encode_dataset(tok: PreTrainedTokenizerBase, examples: list[dict], max_length: int):
+    encoded = [encode_chat(tok, ex["messages"], max_length) for ex in examples]
+    n_truncated = sum(e.truncated for e in encoded)
+    kept = [e for e in encoded if any(e.loss_mask)]  # truncation can cut every assistant token
+    return kept, n_truncated
+
+
+def collate(batch, pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        mask[i, :n] = torch.tensor(e.loss_mask)
+        attn[i, :n] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose target token has loss_mask 1."""
+    targets = input_ids[:, 1:]
+    weights = loss_mask[:, 1:].float()
+    nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none")
+    return (nll * weights.flatten()).sum() / weights.sum().clamp(min=1.0)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def planned_steps(cfg: RunConfig, n_examples: int) -> int:
+    s = cfg.sft
+    global_batch = s.micro_batch_size * s.grad_accum * ds.world_size()
+    steps = math.ceil(s.epochs * n_examples / global_batch)
+    return min(steps, s.max_steps) if s.max_steps else steps
+
+
+def train_sft(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    tok: PreTrainedTokenizerBase,
+    examples: list[dict[str, Any]],
+    work_dir: str | Path,
+    logger: MetricLogger | None = None,
+    fault_at_step: int | None = None,
+) -> tuple[Any, SFTResult]:
+    """Train; resumes from the newest committed checkpoint under `work_dir/checkpoints`.
+
+    Returns (DeepSpeed engine, result). `fault_at_step` raises after that step (tests)."""
+    s = cfg.sft
+    logger = logger if ds.rank() == 0 and logger is not None else NullLogger()
+    data, n_truncated = encode_dataset(tok, examples, s.max_length)
+    if not data:
+        raise InputError("sft: no training example keeps an assistant token after truncation; "
+                         f"raise sft.max_length (now {s.max_length})")
+    if n_truncated:
+        log.warning("sft: %d of %d examples truncated to max_length=%d", n_truncated, len(examples), s.max_length)
+    total = planned_steps(cfg, len(data))
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=s.lr, betas=(0.9, 0.95),
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, min(s.warmup_steps, total), total)
+    engine, _, _ = ds.initialize(model, optimizer, scheduler,
+                                 ds.ds_config(s.deepspeed, s.micro_batch_size, s.grad_accum, s.grad_clip))
+    ckpt_dir = Path(work_dir) / "checkpoints"
+    state = checkpoint.load_latest(engine, ckpt_dir)
+    step = state["step"] if state else 0
+    epoch, pos = (state["epoch"], state["pos"]) if state else (0, 0)
+    tokens_seen = state["tokens_seen"] if state else 0
+    resumed = step if state else None
+    if state is None:
+        torch.manual_seed(cfg.seed)
+
+    rank, world = ds.rank(), ds.world_size()
+    per_rank = s.micro_batch_size
+    order = epoch_order(len(data), cfg.seed, epoch)
+    loss_value, t0, tok_t0 = float("nan"), time.perf_counter(), 0
+    engine.train()
+    with progress_bar("sft", total=total, completed=step, enabled=rank == 0) as bar:
+        while step < total:
+            if s.max_seconds is not None and time.perf_counter() - t0 > s.max_seconds:
+                log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
+                break
+            losses = []
+            for _ in range(s.grad_accum):
+                global_mb = per_rank * world
+                if pos + global_mb > len(order):
+                    epoch, pos = epoch + 1, 0
+                    order = epoch_order(len(data), cfg.seed, epoch)
+                idx = order[pos + rank * per_rank: pos + (rank + 1) * per_rank]
+                pos += global_mb
+                batch = collate([data[i] for i in idx], tok.pad_token_id)
+                out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                tok_t0 += int(batch["attention_mask"].sum()) * world
+            step += 1
+            loss_value = sum(losses) / len(losses)
+            bar.update(1, loss=loss_value)
+            if step % s.log_every == 0 or step == total:
+                elapsed = time.perf_counter() - t0
+                grad_norm = engine.get_global_grad_norm()
+                logger.log_metrics({
+                    "train/loss": loss_value,
+                    "train/lr": engine.get_lr()[0],
+                    "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "train/tokens_per_second": tok_t0 / max(elapsed, 1e-9),
+                    "train/epoch": epoch + pos / len(order),
+                }, step=step)
+            if fault_at_step is not None and step == fault_at_step:
+                raise RuntimeError(f"injected fault after sft step {step}")
+            if step % s.checkpoint_every == 0 and step < total:
+                checkpoint.save(engine, ckpt_dir, step, {"epoch": epoch, "pos": pos,
+                                                         "tokens_seen": tokens_seen + tok_t0})
+    elapsed = time.perf_counter() - t0
+    result = SFTResult(
+        steps=step, final_loss=loss_value, tokens_per_second=tok_t0 / max(elapsed, 1e-9),
+        train_seconds=elapsed, n_examples=len(data), n_truncated=n_truncated,
+        resumed_from_step=resumed, state_hash=ds.state_dict_hash(engine.module),
+    )
+    return engine, result

@@ -1,0 +1,145 @@
+"""Artifact storage through fsspec: local paths and `s3://` URIs alike.
+
+A stage writes its files into its folder and commits them by writing `manifest.json` last; a
+folder without a manifest is not a result. Local writes go through a temporary name and an
+atomic rename; S3 puts are atomic per object. S3 endpoint and credentials come from the usual
+AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from the config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+MANIFEST = "manifest.json"
+
+
+def storage_options(url: str) -> dict[str, Any]:
+    return {}
+
+
+def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options(url))
+    return fs, path
+
+
+def is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def exists(url: str) -> bool:
+    fs, path = fs_for(url)
+    return fs.exists(path)
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    fs, path = fs_for(url)
+    if is_remote(url):
+        fs.pipe_file(path, data)
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode())
+
+
+def read_text(url: str) -> str:
+    fs, path = fs_for(url)
+    return fs.cat_file(path).decode()
+
+
+def write_json(url: str, obj: Any) -> None:
+    write_text(url, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_text(url))
+
+
+def write_jsonl(url: str, rows: list[dict[str, Any]]) -> str:
+    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+    write_bytes(url, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_jsonl(url: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in read_text(url).splitlines() if line.strip()]
+
+
+def read_manifest(folder: str) -> dict[str, Any] | None:
+    """The committed manifest of a stage folder, or None if the folder holds no result."""
+    url = join(folder, MANIFEST)
+    if not exists(url):
+        return None
+    try:
+        return read_json(url)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # a torn manifest is no result
+
+
+def commit_manifest(folder: str, manifest: dict[str, Any]) -> None:
+    write_json(join(folder, MANIFEST), manifest)
+
+
+def put_dir(local_dir: str | Path, url: str) -> None:
+    """Copy a local folder's files to `url` (a local path or s3:// prefix)."""
+    local_dir = Path(local_dir)
+    if not is_remote(url):
+        dest = Path(fs_for(url)[1])
+        if dest.resolve() == local_dir.resolve():
+            return
+        shutil.copytree(local_dir, dest, dirs_exist_ok=True)
+        return
+    for f in sorted(local_dir.rglob("*")):
+        if f.is_file():
+            write_bytes(join(url, f.relative_to(local_dir).as_posix()), f.read_bytes())
+
+
+def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
+    """A local folder holding `url`'s files: the folder itself, or a download of a remote one."""
+    if not is_remote(url):
+        return Path(fs_for(url)[1])
+    fs, path = fs_for(url)
+    root = Path(cache_root or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+    dest = root / hashlib.sha256(url.encode()).hexdigest()[:16]
+    if not (dest / ".complete").exists():
+        tmp = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
+        fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        (dest / ".complete").touch()
+    return dest
+
+
+def remove(url: str) -> None:
+    fs, path = fs_for(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
