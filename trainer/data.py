@@ -52,7 +52,7 @@ def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, 
             op = "+"  # keep counts non-negative: nothing to take away
         n = rng.randint(lo, min(hi, value)) if op == "-" else rng.randint(max(lo, 2) if op == "*" else lo, hi)
         template = {"+": ADD, "-": SUB, "*": MUL}[op]
-        sentences.append(rng.choice(template).format(p="They" if rng.random() < 0.3 else name, n=n))
+        sentences.append(rng.choice(template).format(p=name, n=n))
         new = value + n if op == "+" else value - n if op == "-" else value * n
         steps.append(f"{value}{op}{n}={new}")
         value = new

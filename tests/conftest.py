@@ -1,0 +1,46 @@
+"""Test isolation: each session gets its own Prefect home, MLflow store and caches.
+
+Set before Prefect or MLflow is imported, so the flows under test talk to a real (ephemeral)
+Prefect server and a real MLflow SQLite store that live in a temporary folder."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ.pop("PREFECT_API_URL", None)  # no server configured: Prefect starts its temporary one
+os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"
+os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "trainer"
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
+os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def session_dir() -> Path:
+    return _SESSION_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(session_dir):
+    """A BPE tokenizer trained on a few hundred synthetic problems."""
+    from trainer.config import SyntheticData
+    from trainer.data import synthetic
+    from trainer.tokenizer import train_tokenizer
+
+    data = synthetic(SyntheticData(n_train=300, n_test=10), seed=0)
+    texts = [m["content"] for ex in data.train for m in ex["messages"]]
+    return train_tokenizer(texts, 200, session_dir / "tok")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_exit():
+    """Prefect stops its temporary server at interpreter exit and logs it to a stream pytest
+    has already closed; silence logging once the session is over."""
+    yield
+    import logging
+
+    logging.disable(logging.CRITICAL)

@@ -1,0 +1,50 @@
+"""The loss mask covers assistant tokens only, in every assistant turn."""
+
+from trainer.chat import encode_chat, encode_prompt
+
+
+def _decode_masked(tok, enc, value):
+    return tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m == value])
+
+
+def test_single_turn_mask_is_answer_and_end_marker(tiny_tokenizer):
+    tok = tiny_tokenizer
+    msgs = [{"role": "user", "content": "Ann has 3 pens. How many pens does Ann have now?"},
+            {"role": "assistant", "content": "3+0=3\n#### 3"}]
+    enc = encode_chat(tok, msgs, max_length=512)
+    assert len(enc.input_ids) == len(enc.loss_mask)
+    assert _decode_masked(tok, enc, 1) == "3+0=3\n#### 3<|end|>"
+    unmasked = _decode_masked(tok, enc, 0)
+    assert "Ann has 3 pens" in unmasked and "<|assistant|>" in unmasked
+    # The masked span starts right after the generation prompt.
+    prompt = encode_prompt(tok, msgs[:1])
+    assert enc.input_ids[: len(prompt)] == prompt
+    assert enc.loss_mask[: len(prompt)] == [0] * len(prompt)
+    assert all(enc.loss_mask[len(prompt):])
+
+
+def test_multi_turn_masks_every_assistant_turn_and_no_user_turn(tiny_tokenizer):
+    tok = tiny_tokenizer
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Ben has 2 cups."},
+            {"role": "assistant", "content": "#### 2"},
+            {"role": "user", "content": "He buys 4 more."},
+            {"role": "assistant", "content": "2+4=6\n#### 6"}]
+    enc = encode_chat(tok, msgs, max_length=512)
+    masked = _decode_masked(tok, enc, 1)
+    assert masked == "#### 2<|end|>2+4=6\n#### 6<|end|>"
+    unmasked = _decode_masked(tok, enc, 0)
+    for text in ("Be brief.", "Ben has 2 cups.", "He buys 4 more."):
+        assert text in unmasked
+    # Exactly two contiguous masked runs.
+    runs = sum(1 for i, m in enumerate(enc.loss_mask) if m and (i == 0 or not enc.loss_mask[i - 1]))
+    assert runs == 2
+
+
+def test_truncation_reports_and_cuts(tiny_tokenizer):
+    msgs = [{"role": "user", "content": "Cal has 5 eggs. " * 10}, {"role": "assistant", "content": "#### 5"}]
+    full = encode_chat(tiny_tokenizer, msgs, max_length=10_000)
+    cut = encode_chat(tiny_tokenizer, msgs, max_length=20)
+    assert not full.truncated and cut.truncated
+    assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
+    assert not any(cut.loss_mask)  # the answer was cut off entirely

@@ -1,0 +1,77 @@
+from pathlib import Path
+
+import pytest
+
+from trainer.config import CONFIGS_DIR, ConfigError, RunConfig, load_config
+
+PRESETS = sorted(CONFIGS_DIR.rglob("*.yaml")) + sorted(CONFIGS_DIR.rglob("*.yml"))
+
+
+def test_presets_found():
+    names = {p.stem for p in PRESETS}
+    assert {"tiny", "qwen2.5-0.5b-gsm8k"} <= names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIGS_DIR)))
+def test_every_preset_loads_and_validates(path: Path):
+    cfg = load_config(str(path))
+    assert isinstance(cfg, RunConfig)
+    # Validation round-trips: the resolved config is itself a valid config.
+    assert RunConfig.model_validate(cfg.to_dict()) == cfg
+
+
+def test_dotted_overrides_apply_and_parse_types():
+    cfg = load_config("tiny", ["sft.lr=1e-4", "sft.deepspeed.zero_stage=2", "data.synthetic.ops=[+, '*']"])
+    assert cfg.sft.lr == 1e-4 and cfg.sft.deepspeed.zero_stage == 2
+    assert cfg.data.synthetic.ops == ["+", "*"]
+
+
+def test_bad_value_names_field_value_and_fix():
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny", ["sft.lr=-1"])
+    msg = str(exc.value)
+    assert "sft.lr" in msg and "-1" in msg and "greater than 0" in msg
+
+
+def test_unknown_key_is_rejected_with_its_path():
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny", ["sft.learning_rate=1e-3"])
+    assert "sft.learning_rate: unknown key" in str(exc.value)
+
+
+def test_all_errors_listed_at_once():
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny", ["sft.lr=0", "eval.batch_size=0", "modle.x=1"])
+    msg = str(exc.value)
+    assert "3 invalid" in msg and "sft.lr" in msg and "eval.batch_size" in msg and "modle" in msg
+
+
+def test_cross_field_rule_explains_fix():
+    with pytest.raises(ConfigError, match="min_ops <= max_ops"):
+        load_config("tiny", ["data.synthetic.min_ops=3", "data.synthetic.max_ops=2"])
+    with pytest.raises(ConfigError, match="tokenizer.train=false"):
+        load_config("tiny", ["model.pretrained=/some/model"])
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such/preset.yaml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="no '='"):
+        load_config("tiny", ["sft.lr"])
+
+
+def test_config_is_frozen():
+    cfg = load_config("tiny")
+    with pytest.raises(Exception):
+        cfg.sft.lr = 1.0  # type: ignore[misc]
+
+
+def test_section_hash_changes_only_with_its_section():
+    a, b = load_config("tiny"), load_config("tiny", ["sft.lr=1e-4"])
+    assert a.section_hash("data") == b.section_hash("data")
+    assert a.section_hash("sft") != b.section_hash("sft")

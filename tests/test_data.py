@@ -1,0 +1,123 @@
+import json
+import re
+
+import pytest
+
+from trainer.config import DataConfig, SyntheticData
+from trainer.data import DataError, prepare, synthetic
+
+
+def _check_arithmetic(answer: str) -> int:
+    lines = answer.splitlines()
+    value = None
+    for line in lines[:-1]:
+        m = re.fullmatch(r"(\d+)([+\-*])(\d+)=(-?\d+)", line)
+        assert m, line
+        a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+        assert value is None or a == value
+        assert c == {"+": a + b, "-": a - b, "*": a * b}[op]
+        value = c
+    assert lines[-1] == f"#### {value}"
+    return value
+
+
+def test_synthetic_is_deterministic_correct_and_disjoint():
+    cfg = SyntheticData(n_train=400, n_test=100, min_ops=1, max_ops=3)
+    a, b = synthetic(cfg, seed=1), synthetic(cfg, seed=1)
+    assert a.train == b.train and a.test == b.test
+    assert synthetic(cfg, seed=2).train != a.train
+    test_q = {ex["messages"][0]["content"] for ex in a.test}
+    assert not test_q & {ex["messages"][0]["content"] for ex in a.train}
+    for ex in a.train + a.test:
+        assert str(_check_arithmetic(ex["messages"][-1]["content"])) == ex["answer"]
+        assert int(ex["answer"]) >= 0
+        n_steps = len(ex["messages"][-1]["content"].splitlines()) - 1
+        assert 1 <= n_steps <= 3
+
+
+def test_synthetic_knobs():
+    data = synthetic(SyntheticData(n_train=50, n_test=10, min_ops=2, max_ops=2, digits=2, ops=["+"]), seed=0)
+    for ex in data.train:
+        steps = ex["messages"][-1]["content"].splitlines()[:-1]
+        assert len(steps) == 2 and all("+" in s for s in steps)
+        assert all(10 <= int(n) <= 99 for n in re.findall(r"\d+", steps[0].split("=")[0]))
+
+
+def test_synthetic_too_few_distinct_problems():
+    with pytest.raises(DataError, match="distinct problems"):
+        synthetic(SyntheticData(n_train=10, n_test=100_000, max_ops=1, ops=["+"]), seed=0)
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_local_jsonl_with_field_mapping_and_split(tmp_path):
+    rows = [{"q": f"What is {i}+1?", "a": f"{i}+1={i+1}\n#### {i+1}"} for i in range(30)]
+    cfg = DataConfig(source="files", train=_write(tmp_path / "t.jsonl", rows),
+                     fields={"question": "q", "answer": "a"}, test_size=5)
+    data = prepare(cfg, seed=0)
+    assert len(data.train) == 25 and len(data.test) == 5
+    assert prepare(cfg, seed=0).test == data.test  # deterministic split
+    ex = data.test[0]
+    assert ex["messages"][0]["role"] == "user" and ex["answer"] == ex["messages"][1]["content"].split("#### ")[1]
+
+
+def test_gsm8k_commas_and_messages_format(tmp_path):
+    train = _write(tmp_path / "train.jsonl", [{"question": "q", "answer": "big\n#### 1,200"}] * 3)
+    test = _write(tmp_path / "test.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                          {"role": "assistant", "content": "\\boxed{7}"}]}])
+    data = prepare(DataConfig(source="files", train=train, test=train), seed=0)
+    assert data.train[0]["answer"] == "1200"
+    msgs = prepare(DataConfig(source="files", train=test, test=test, fields={"messages": "messages"}), seed=0)
+    assert msgs.test[0]["answer"] == "7"
+
+
+def test_malformed_row_names_file_row_and_field(tmp_path):
+    rows = [{"question": "ok", "answer": "#### 1"}, {"question": "ok", "answer": "#### 2"},
+            {"question": "no answer field"}]
+    path = _write(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as exc:
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+    msg = str(exc.value)
+    assert "bad.jsonl row 3" in msg and "'answer'" in msg and "on_bad_row=skip" in msg
+
+
+def test_row_without_final_answer(tmp_path):
+    path = _write(tmp_path / "x.jsonl", [{"question": "q", "answer": "just prose"}])
+    with pytest.raises(DataError, match=r"x.jsonl row 1: field 'answer' has no final answer.*####"):
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+
+
+def test_skip_mode_counts_bad_rows(tmp_path):
+    rows = [{"question": "q", "answer": "#### 1"}, {"question": "", "answer": "#### 2"},
+            {"question": "q", "answer": "none"}, {"question": "q", "answer": "#### 4"}]
+    path = _write(tmp_path / "mix.jsonl", rows)
+    data = prepare(DataConfig(source="files", train=path, test=path, on_bad_row="skip"), seed=0)
+    assert len(data.train) == 2 and len(data.skipped) == 4  # 2 bad rows in each of train and test
+    assert "row 2" in data.skipped[0] and "row 3" in data.skipped[1]
+
+
+def test_missing_path_names_field_and_path(tmp_path):
+    with pytest.raises(DataError, match=r"data.train: file '.*nothere.jsonl' does not exist"):
+        prepare(DataConfig(source="files", train=str(tmp_path / "nothere.jsonl")), seed=0)
+
+
+def test_not_json(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text("{not json\n")
+    with pytest.raises(DataError, match="broken.jsonl"):
+        prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
+
+
+def test_real_gsm8k_sample(tmp_path):
+    """The shipped GSM8K files parse with the GPU preset's field mapping."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+    if not src.exists():
+        pytest.skip("../shared/data/gsm8k not present beside this checkout")
+    data = prepare(DataConfig(source="files", train=str(src), test=str(src), max_train=50, max_test=20), seed=0)
+    assert len(data.train) == 50 and len(data.test) == 20
+    assert all(re.fullmatch(r"-?[\d.]+", ex["answer"]) for ex in data.train)

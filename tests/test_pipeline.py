@@ -1,0 +1,132 @@
+"""End to end: the tiny speedrun flow on a small budget against a real (ephemeral) Prefect server
+and MLflow on SQLite; cache hits on re-run; bad input through the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["data.synthetic.n_train=600", "data.synthetic.n_test=40", "sft.max_steps=12",
+         "sft.checkpoint_every=5", "sft.micro_batch_size=16", "model.hidden_size=32",
+         "model.num_layers=1", "model.intermediate_size=64", "eval.max_new_tokens=24",
+         "sft.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    from flows.speedrun import speedrun
+
+    root = tmp_path_factory.mktemp("artifacts")
+    overrides = SMALL + [f"artifact_root={root}"]
+    return root, overrides, speedrun(preset="tiny", overrides=overrides)
+
+
+def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
+    root, _, result = first_run
+    assert [s["stage"] for s in result["stages"]] == ["prepare_data", "tokenizer", "sft", "eval"]
+    assert not any(s["cache_hit"] for s in result["stages"])
+    for s in result["stages"]:
+        manifest = json.loads((Path(s["uri"]) / "manifest.json").read_text())
+        assert manifest["key"] == s["key"] and manifest["stage"] == s["stage"]
+    sft = next(s for s in result["stages"] if s["stage"] == "sft")
+    assert (Path(sft["uri"]) / "model" / "config.json").is_file()
+    assert (Path(sft["uri"]) / "model" / "tokenizer.json").is_file()
+    assert sft["metrics"]["sft/steps"] == 12 and sft["metrics"]["sft/tokens_per_second"] > 0
+    head = result["headline"]
+    assert 0.0 <= head["sft_accuracy"] <= 1.0 and head["final_accuracy"] == head["sft_accuracy"]
+    assert (root / "runs" / result["mlflow_run_id"] / "config.yaml").is_file()
+
+
+def test_mlflow_parent_and_child_runs(first_run):
+    from mlflow import MlflowClient
+
+    _, _, result = first_run
+    client = MlflowClient()
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert {"sft_accuracy", "final_accuracy", "wall_seconds"} <= set(parent.data.metrics)
+    assert parent.data.params["sft.max_steps"] == "12"
+    assert parent.data.tags["prefect.flow_run_id"] == result["flow_run_id"]
+    assert "config.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_stage = {c.data.tags["posttrain.stage"]: c for c in children}
+    assert set(by_stage) == {"prepare_data", "tokenizer", "sft", "eval"}
+    sft = by_stage["sft"]
+    losses = client.get_metric_history(sft.info.run_id, "train/loss")
+    assert len(losses) >= 10 and losses[-1].value < losses[0].value
+    for name in ("train/lr", "train/grad_norm", "train/tokens_per_second"):
+        assert client.get_metric_history(sft.info.run_id, name)
+    assert "model" in {a.path for a in client.list_artifacts(sft.info.run_id)}
+    ev = by_stage["eval"]
+    assert "eval/accuracy" in ev.data.metrics and "eval/format_rate" in ev.data.metrics
+    assert "eval_results.json" in {a.path for a in client.list_artifacts(ev.info.run_id)}
+
+
+def test_prefect_flow_run_completed_with_a_task_per_stage(first_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    _, _, result = first_run
+
+    async def fetch():
+        # Task runs reach the server as events, recorded asynchronously: poll briefly.
+        async with get_client() as client:
+            run = await client.read_flow_run(result["flow_run_id"])
+            for _ in range(60):
+                # limit and sort are passed explicitly: prefect 3.8's client sends null defaults
+                # that its own server rejects (422).
+                tasks = await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+                    limit=100, sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+                if len(tasks) >= 4 and all(t.state and t.state.is_final() for t in tasks):
+                    break
+                await asyncio.sleep(0.5)
+            return run, tasks
+
+    run, tasks = asyncio.run(fetch())
+    assert run.state.is_completed()
+    assert {t.name.rsplit("-", 1)[0] for t in tasks} == {"prepare_data", "tokenizer", "sft", "eval"}
+    assert all(t.state.is_completed() for t in tasks)
+
+
+def test_rerun_is_all_cache_hits(first_run):
+    from flows.speedrun import speedrun
+
+    _, overrides, result = first_run
+    again = speedrun(preset="tiny", overrides=overrides)
+    assert all(s["cache_hit"] for s in again["stages"])
+    assert [s["key"] for s in again["stages"]] == [s["key"] for s in result["stages"]]
+    assert again["headline"]["sft_accuracy"] == result["headline"]["sft_accuracy"]
+
+
+def test_changing_eval_settings_reuses_upstream(first_run):
+    from flows.speedrun import speedrun
+
+    _, overrides, _ = first_run
+    changed = speedrun(preset="tiny", overrides=overrides + ["eval.max_examples=10"])
+    hits = {s["stage"]: s["cache_hit"] for s in changed["stages"]}
+    assert hits == {"prepare_data": True, "tokenizer": True, "sft": True, "eval": False}
+
+
+def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):
+    from flows.cli import main
+
+    code = main(["prepare-data", "--set", "data.source=files", "--set", f"data.train={tmp_path}/missing.jsonl",
+                 "--set", f"artifact_root={tmp_path / 'art'}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "data.train" in err and "missing.jsonl" in err and "does not exist" in err
+    assert not list((tmp_path / "art").rglob("manifest.json"))  # nothing committed
+
+
+def test_cli_bad_config_value(capsys):
+    from flows.cli import main
+
+    assert main(["speedrun", "--set", "sft.micro_batch_size=0"]) == 2
+    assert "sft.micro_batch_size = 0" in capsys.readouterr().err
