@@ -14,6 +14,8 @@ import time
 
 # Prefect reads its settings at import: route the ML core's std logging into the flow-run logs.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "trainer")
+# Prefect's temporary server phones home at start; offline that costs a DNS time-out.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402

@@ -137,6 +137,76 @@ class SFTConfig(Strict):
         return self
 
 
+class SGLangConfig(Strict):
+    """SGLang servers for rollouts: connect to `urls`, or launch `num_servers` of them."""
+
+    urls: list[str] = Field(default_factory=list, description="running servers, e.g. http://10.0.0.5:30000")
+    launch: bool = Field(True, description="start servers with python -m sglang.launch_server when urls is empty")
+    num_servers: int = Field(1, ge=1)
+    base_port: int = Field(30000, ge=1024, le=65535)
+    gpus_per_server: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.5, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class RolloutConfig(Strict):
+    engine: Literal["hf", "sglang"] = Field("hf", description="hf: in-process, shares the policy's weights")
+    prompts_per_round: int = Field(16, ge=1)
+    n_samples_per_prompt: int = Field(8, ge=1)
+    over_sample: float = Field(1.5, ge=1.0, description="generate this many times prompts_per_round groups")
+    dynamic_filter: Literal["none", "nonzero_std"] = Field(
+        "nonzero_std", description="nonzero_std drops groups whose rewards all agree (no learning signal)")
+    max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are skipped and counted")
+    max_response_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(512, ge=1, description="sequences per generate call (hf engine)")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+
+class RewardSpec(Strict):
+    name: str = Field(..., description="math | format | reward_model | package.module:function")
+    weight: float = 1.0
+    path: str | None = Field(None, description="model folder for reward_model")
+
+
+class GRPOConfig(Strict):
+    enabled: bool = True
+    rounds: int = Field(60, ge=1)
+    max_seconds: float | None = Field(None, gt=0, description="stop early after this much GRPO wall time")
+    lr: float = Field(3e-5, gt=0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_rounds: int = Field(0, ge=0)
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over a round's batch")
+    epochs: int = Field(1, ge=1, description="passes over a round's batch")
+    micro_batch_size: int = Field(64, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0, description="clip-higher: upper ratio bound 1 + clip_high")
+    std_normalize: bool = Field(True, description="divide advantages by the group's std (off: Dr. GRPO)")
+    kl_coef: float = Field(0.0, ge=0, description="KL to the frozen SFT reference; 0 loads no reference")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    tis_cap: float | None = Field(2.0, gt=0, description="truncate the trainer/engine importance ratio at this")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1)
+    on_bad_reward: Literal["error", "skip"] = "error"
+    eval_every: int = Field(10, ge=1, description="rounds between held-out evals")
+    eval_examples: int = Field(200, ge=1)
+    pass_k: int = Field(4, ge=1, description="pass@k from k samples at periodic evals")
+    checkpoint_every: int = Field(10, ge=1)
+    sample_table_every: int = Field(10, ge=1)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+
+    @model_validator(mode="after")
+    def _mini(self) -> "GRPOConfig":
+        if self.clip_low >= 1:
+            raise ValueError("clip_low must be below 1 (the lower ratio bound is 1 - clip_low)")
+        return self
+
+
 class EvalConfig(Strict):
     max_examples: int | None = Field(None, ge=1, description="evaluate on the first N held-out rows")
     max_new_tokens: int = Field(64, ge=1)
@@ -155,6 +225,8 @@ class RunConfig(Strict):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
@@ -164,6 +236,12 @@ class RunConfig(Strict):
             raise ValueError(
                 "tokenizer.train=true with model.pretrained set: a pretrained model uses its own "
                 "tokenizer; set tokenizer.train=false"
+            )
+        rb = self.rollout.prompts_per_round * self.rollout.n_samples_per_prompt
+        if self.grpo.enabled and rb % self.grpo.mini_batches:
+            raise ValueError(
+                f"grpo.mini_batches={self.grpo.mini_batches} does not divide the round's "
+                f"{rb} samples (rollout.prompts_per_round x n_samples_per_prompt); pick a divisor"
             )
         return self
 

@@ -1,0 +1,347 @@
+"""GRPO on DeepSpeed: group-relative advantages, the clipped objective with clip-higher, KL to a
+frozen reference (k1/k2/k3), entropy bonus, three loss aggregations, several optimizer steps per
+round, and truncated importance sampling (TIS) against the rollout engine's logprobs.
+
+`GRPOTrainer` holds one stage's state and exposes each round step (rollout, score, update, sync,
+evaluate, checkpoint) so that an orchestrator can show them as separate tasks. Run alone:
+`posttrain grpo --preset tiny` (prepare_data, tokenizer and sft come from cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import get_constant_schedule_with_warmup
+
+from trainer import checkpoint, engine as ds
+from trainer.answers import is_correct
+from trainer.chat import encode_prompt
+from trainer.data import prompt_messages
+from trainer.config import RunConfig
+from trainer.evaluate import evaluate
+from trainer.rollout import HFEngine, RolloutBatch, RolloutEngine, RolloutManager, Sample, SamplingParams
+from trainer.rewards import RewardMix
+from trainer.tracking import MetricLogger, NullLogger
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- the math
+
+def group_advantages(rewards: torch.Tensor, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [G, n] -> advantages [G, n]: r - mean(group), divided by the group's std if asked."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not std_normalize:
+        return centred
+    return centred / (rewards.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + eps)
+
+
+def clipped_objective(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor,
+                      clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss (to minimise) and whether the clipped branch was taken."""
+    ratio = torch.exp(logp - logp_old)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped)
+
+
+def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+    log_ratio = logp_ref - logp
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(log_ratio) - 1.0 - log_ratio
+    raise ValueError(f"unknown kl estimator {estimator!r}; use k1, k2 or k3")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float | None = None) -> torch.Tensor:
+    """Reduce [B, T] per-token losses over response tokens.
+
+    token-mean: sum / number of tokens; seq-mean-token-sum: per-sequence sums, averaged over
+    sequences; seq-mean-token-mean: per-sequence means, averaged over sequences. `normaliser`
+    replaces the local count (tokens or sequences) so micro-batches add up to the mini-batch value."""
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        return (per_token * mask).sum() / (normaliser if normaliser is not None else mask.sum().clamp(min=1))
+    lengths = mask.sum(dim=1)
+    if mode == "seq-mean-token-sum":
+        per_seq = (per_token * mask).sum(dim=1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = (per_token * mask).sum(dim=1) / lengths.clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return per_seq.sum() / (normaliser if normaliser is not None else max(per_token.shape[0], 1))
+
+
+def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy."""
+    logits = module(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
+@dataclass
+class PackedBatch:
+    ids: torch.Tensor        # [B, T] prompt + response, right padded
+    attn: torch.Tensor       # [B, T]
+    mask: torch.Tensor       # [B, T-1] 1 where the target token is a response token
+    adv: torch.Tensor        # [B] advantage per sequence
+    engine_logp: torch.Tensor  # [B, T-1] aligned with mask
+
+
+def pack(samples: list[Sample], advantages: list[float], pad_id: int) -> PackedBatch:
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    n = len(samples)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    elp = torch.zeros((n, width - 1))
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attn[i, : p + r] = 1
+        mask[i, p - 1 : p - 1 + r] = 1
+        elp[i, p - 1 : p - 1 + r] = torch.tensor(s.engine_logprobs[:r]) if r else elp[i, :0]
+    return PackedBatch(ids, attn, mask, torch.tensor(advantages, dtype=torch.float32), elp)
+
+
+def _slice(b: PackedBatch, idx: list[int]) -> PackedBatch:
+    sel = torch.tensor(idx)
+    width = int(b.attn[sel].sum(dim=1).max())  # trim shared padding
+    return PackedBatch(b.ids[sel, :width], b.attn[sel, :width], b.mask[sel, : width - 1], b.adv[sel],
+                       b.engine_logp[sel, : width - 1])
+
+
+# ---------------------------------------------------------------- the trainer
+
+class GRPOTrainer:
+    """One GRPO stage in one process (the DeepSpeed launcher runs one of these per rank)."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tok, train: list[dict], test: list[dict],
+                 work_dir: str | Path, logger: MetricLogger | None = None,
+                 engine: RolloutEngine | None = None) -> None:
+        g = cfg.grpo
+        self.cfg, self.tok, self.test = cfg, tok, test
+        self.logger = logger if logger is not None and ds.rank() == 0 else NullLogger()
+        self.work_dir = Path(work_dir)
+        self.ckpt_dir = self.work_dir / "checkpoints"
+        torch.manual_seed(cfg.seed)
+        self.reference = None
+        if g.kl_coef > 0:  # the reference is loaded only when the KL term is on
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        steps_per_round = g.mini_batches * g.epochs
+        optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        scheduler = get_constant_schedule_with_warmup(optimizer, g.warmup_rounds * steps_per_round)
+        self.ds = ds.initialize(model, optimizer, scheduler,
+                                ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
+        self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size)
+        self.rewards = RewardMix.from_specs(g.rewards)
+        self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward)
+        self.round = 0
+        self.history: list[dict[str, float]] = []
+        self.started = time.perf_counter()
+        self.seconds_before_resume = 0.0
+        self.resumed_from: int | None = None
+        state = checkpoint.load_latest(self.ds, self.ckpt_dir)
+        if state is not None:
+            self.round = state["step"]
+            self.manager.load_state_dict(state["manager"])
+            self.history = state["history"]
+            self.seconds_before_resume = state.get("seconds", 0.0)
+            self.resumed_from = self.round
+            log.info("grpo: resumed at round %d", self.round)
+
+    # -- schedule
+    def done(self) -> bool:
+        g = self.cfg.grpo
+        if self.round >= g.rounds:
+            return True
+        return g.max_seconds is not None and self.elapsed() >= g.max_seconds
+
+    def elapsed(self) -> float:
+        return self.seconds_before_resume + time.perf_counter() - self.started
+
+    def should_eval(self) -> bool:
+        return self.round % self.cfg.grpo.eval_every == 0 or self.done()
+
+    def should_checkpoint(self) -> bool:
+        return self.round % self.cfg.grpo.checkpoint_every == 0 and not self.done()
+
+    # -- round steps
+    def rollout(self) -> RolloutBatch:
+        return self.manager.generate(self.round + 1)
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        return self.manager.score(batch)
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Optimizer steps over the round's batch; advances the round counter."""
+        g = self.cfg.grpo
+        t0 = time.perf_counter()
+        self.round = batch.round
+        stats: dict[str, float] = dict(batch.stats)
+        samples, advs = [], []
+        for group in batch.groups:
+            r = torch.tensor([group.rewards()], dtype=torch.float32)
+            a = group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
+            for s, adv in zip(group.samples, a):
+                if s.response_ids:  # an empty completion has no token to train on
+                    samples.append(s)
+                    advs.append(adv)
+        if not samples:
+            log.warning("grpo round %d: no usable samples after filtering; skipping the update", self.round)
+            stats.update({"time/update_seconds": time.perf_counter() - t0, "update/skipped": 1.0})
+            self.history.append({"round": float(self.round), **stats})
+            return stats
+        packed = pack(samples, advs, self.tok.pad_token_id)
+        module = self.ds.module
+        mb = g.micro_batch_size
+        n = len(samples)
+        with torch.no_grad():
+            old, ref = [], []
+            for i in range(0, n, mb):
+                part = _slice(packed, list(range(i, min(i + mb, n))))
+                lp, _ = token_logprobs(module, part.ids, part.attn)
+                old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
+                if self.reference is not None:
+                    rp, _ = token_logprobs(self.reference, part.ids, part.attn)
+                    ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
+            logp_old = torch.cat(old)
+            logp_ref = torch.cat(ref) if ref else None
+        mask = packed.mask
+        mismatch = ((logp_old - packed.engine_logp).abs() * mask).sum() / mask.sum().clamp(min=1)
+        tis = torch.exp(logp_old - packed.engine_logp)
+        tis = tis.clamp(max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.round)
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio": 0.0}
+        steps, tokens = 0, 0.0
+        grad_norms = []
+        world = ds.world_size()
+        for _ in range(g.epochs):
+            order = torch.randperm(n, generator=gen).tolist()
+            size = math.ceil(n / g.mini_batches)
+            for m in range(g.mini_batches):
+                idx = order[m * size : (m + 1) * size]
+                if not idx:
+                    continue
+                micro = [idx[i : i + mb] for i in range(0, len(idx), mb)]
+                self.ds.set_train_batch_size(mb * len(micro) * world)
+                sel = torch.tensor(idx)
+                if g.loss_agg == "token-mean":
+                    norm = float(mask[sel].sum().clamp(min=1))
+                else:
+                    norm = float(len(idx))
+                for part_idx in micro:
+                    part = _slice(packed, part_idx)
+                    sel_p = torch.tensor(part_idx)
+                    w = part.mask.shape[1]
+                    lp, ent = token_logprobs(module, part.ids, part.attn, with_entropy=g.entropy_coef > 0)
+                    adv = part.adv.unsqueeze(1).expand_as(lp)
+                    pg, clipped = clipped_objective(lp, logp_old[sel_p, :w], adv, g.clip_low, g.clip_high)
+                    per_tok = pg * tis[sel_p, :w]
+                    if logp_ref is not None:
+                        kl = kl_estimate(lp, logp_ref[sel_p, :w], g.kl_estimator)
+                        per_tok = per_tok + g.kl_coef * kl
+                        sums["kl"] += float((kl.detach() * part.mask).sum())
+                    if ent is not None:
+                        per_tok = per_tok - g.entropy_coef * ent
+                        sums["entropy"] += float((ent.detach() * part.mask).sum())
+                    loss = aggregate(per_tok, part.mask, g.loss_agg, normaliser=norm)
+                    # DeepSpeed divides by its accumulation steps; we normalised by the mini-batch.
+                    self.ds.backward(loss * len(micro))
+                    self.ds.step()
+                    sums["loss"] += float(loss.detach())
+                    sums["pg_loss"] += float((pg.detach() * part.mask).sum())
+                    sums["clip_frac"] += float((clipped.float() * part.mask).sum())
+                    sums["ratio"] += float((torch.exp(lp.detach() - logp_old[sel_p, :w]) * part.mask).sum())
+                    tokens += float(part.mask.sum())
+                gn = self.ds.get_global_grad_norm()
+                grad_norms.append(float(gn) if gn is not None else float("nan"))
+                steps += 1
+        t = max(tokens, 1.0)
+        stats.update({
+            "update/loss": sums["loss"] / max(steps, 1), "update/pg_loss": sums["pg_loss"] / t,
+            "update/kl": sums["kl"] / t, "update/entropy": sums["entropy"] / t,
+            "update/clip_frac": sums["clip_frac"] / t, "update/ratio_mean": sums["ratio"] / t,
+            "update/grad_norm": sum(grad_norms) / len(grad_norms), "update/optimizer_steps": steps,
+            "update/lr": self.ds.get_lr()[0], "update/samples": n,
+            "update/tis_weight_mean": float((tis * mask).sum() / mask.sum().clamp(min=1)),
+            "update/engine_logprob_abs_diff": float(mismatch),
+            "time/update_seconds": time.perf_counter() - t0,
+        })
+        self._pending = stats
+        return stats
+
+    def sync(self) -> float:
+        """Push the new weights to the rollout engine; returns seconds spent."""
+        t0 = time.perf_counter()
+        model_dir = None
+        if not isinstance(self.engine, HFEngine):
+            model_dir = self.work_dir / "sync"
+            ds.export_model(self.ds, self.tok, model_dir)
+        self.engine.update_weights(str(model_dir) if model_dir else None)
+        seconds = time.perf_counter() - t0
+        stats = getattr(self, "_pending", {})
+        stats["time/sync_seconds"] = seconds
+        stats["time/round_seconds"] = sum(stats.get(f"time/{k}_seconds", 0.0) for k in ("generate", "reward", "update", "sync"))
+        stats["time/grpo_elapsed"] = self.elapsed()
+        self.history.append({"round": float(self.round), **stats})
+        self.logger.log_metrics(stats, step=self.round)
+        return seconds
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy and pass@k on the first grpo.eval_examples held-out problems."""
+        g = self.cfg.grpo
+        t0 = time.perf_counter()
+        examples = self.test[: g.eval_examples]
+        ecfg = self.cfg.eval.model_copy(update={"max_examples": None})
+        greedy = evaluate(self.ds.module, self.tok, examples, ecfg)
+        metrics = {"eval/accuracy": greedy.accuracy, "eval/format_rate": greedy.format_rate}
+        if g.pass_k > 1:
+            prompts = [encode_prompt(self.tok, prompt_messages(ex)) for ex in examples]
+            params = SamplingParams(self.cfg.eval.max_new_tokens, self.cfg.rollout.temperature, self.cfg.rollout.top_p,
+                                    seed=self.cfg.seed + 17 * self.round)
+            gens = self.engine.generate([p for p in prompts for _ in range(g.pass_k)], params)
+            hits = 0
+            for i, ex in enumerate(examples):
+                chunk = gens[i * g.pass_k : (i + 1) * g.pass_k]
+                hits += any(is_correct(x.text, ex["answer"]) for x in chunk)
+            metrics[f"eval/pass@{g.pass_k}"] = hits / max(len(examples), 1)
+        metrics["time/eval_seconds"] = time.perf_counter() - t0
+        self.logger.log_metrics(metrics, step=self.round)
+        if self.history:
+            self.history[-1].update(metrics)
+        return metrics
+
+    def sample_table(self, batch: RolloutBatch, k: int = 16) -> list[dict[str, Any]]:
+        rows = []
+        for s in batch.samples[:k]:
+            ex = self.manager.examples[s.example_index]
+            rows.append({"round": self.round, "prompt": ex["messages"][-2]["content"], "response": s.text,
+                         "reward": s.reward, "gold": ex["answer"]})
+        return rows
+
+    def save(self) -> None:
+        checkpoint.save(self.ds, self.ckpt_dir, self.round, {
+            "manager": self.manager.state_dict(), "history": self.history, "seconds": self.elapsed()})
+
+    def export(self, out_dir: str | Path) -> None:
+        ds.export_model(self.ds, self.tok, out_dir)
+
+    def state_hash(self) -> str:
+        return ds.state_dict_hash(self.ds.module)

@@ -1,0 +1,137 @@
+"""Rewards: plain functions `fn(response: str, example: dict) -> float`, chosen by name or dotted path.
+
+Built in: `math` (1.0 when math-verify says the final answer equals the gold answer), `format`
+(1.0 when the response ends in `#### <number>` or has a \\boxed{} answer) and `reward_model`
+(a HF sequence-classification model loaded from a path, scoring prompt + response). Any
+other name is a dotted path `package.module:function` or `package.module.function`. The config
+mixes them with weights. A reward that returns NaN/inf raises, or is counted and its sample
+dropped when `grpo.on_bad_reward: skip`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainer.answers import has_format, is_correct
+from trainer.errors import InputError
+
+RewardFn = Callable[[str, dict[str, Any]], float]
+
+
+class RewardError(InputError):
+    pass
+
+
+def math_reward(response: str, example: dict[str, Any]) -> float:
+    return 1.0 if is_correct(response, example["answer"]) else 0.0
+
+
+def format_reward(response: str, example: dict[str, Any]) -> float:
+    return 1.0 if has_format(response) else 0.0
+
+
+class RewardModel:
+    """A HF AutoModelForSequenceClassification scoring the chat (prompt + response); logit 0."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from trainer.model import resolve_pretrained
+
+        try:
+            local = resolve_pretrained(path)
+            self.tok = AutoTokenizer.from_pretrained(local)
+            self.model = AutoModelForSequenceClassification.from_pretrained(local).eval()
+        except (OSError, ValueError) as exc:
+            raise RewardError(f"grpo.rewards: reward_model path {path!r} could not be loaded: {exc}") from None
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model.config.pad_token_id = self.tok.pad_token_id
+
+    def __call__(self, response: str, example: dict[str, Any]) -> float:
+        return self.score([response], [example])[0]
+
+    def score(self, responses: list[str], examples: list[dict[str, Any]]) -> list[float]:
+        import torch
+
+        texts = [_chat_text(self.tok, ex, r) for r, ex in zip(responses, examples)]
+        enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=1024)
+        with torch.no_grad():
+            logits = self.model(**enc).logits
+        return logits[:, 0].float().tolist()
+
+
+def _chat_text(tok, example: dict[str, Any], response: str) -> str:
+    msgs = example["messages"][:-1] + [{"role": "assistant", "content": response}]
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(msgs, tokenize=False)
+    return "\n".join(m["content"] for m in msgs)
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "format": format_reward}
+
+
+def resolve(name: str, path: str | None = None) -> RewardFn:
+    """A reward function by built-in name, `reward_model` (with path), or dotted path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if name == "reward_model":
+        if not path:
+            raise RewardError("grpo.rewards: reward_model needs `path` (a local folder, s3:// URI or hub name)")
+        return RewardModel(path)
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise RewardError(f"grpo.rewards: {name!r} is not a built-in reward ({sorted(BUILTIN)} or "
+                          "reward_model) nor a dotted path like package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise RewardError(f"grpo.rewards: cannot import module {module_name!r} for reward {name!r} "
+                          f"({exc}); check the dotted path and that the module is installed") from None
+    except AttributeError:
+        raise RewardError(f"grpo.rewards: module {module_name!r} has no function {attr!r}") from None
+    if not callable(fn):
+        raise RewardError(f"grpo.rewards: {name!r} is not callable")
+    return fn
+
+
+@dataclass
+class RewardMix:
+    """Weighted sum of named rewards; also reports each component."""
+
+    names: list[str]
+    fns: list[RewardFn]
+    weights: list[float]
+
+    @classmethod
+    def from_specs(cls, specs) -> "RewardMix":
+        return cls([s.name for s in specs], [resolve(s.name, s.path) for s in specs], [s.weight for s in specs])
+
+    def score(self, responses: list[str], examples: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, list[float]]]:
+        """(total per sample, or None where a component was not finite; components by name)."""
+        parts: dict[str, list[float]] = {}
+        for name, fn in zip(self.names, self.fns):
+            if isinstance(fn, RewardModel):
+                values = fn.score(responses, examples)
+            else:
+                values = [fn(r, ex) for r, ex in zip(responses, examples)]
+            parts[name] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _bad(name, v)
+                           for v in values]
+        totals: list[float | None] = []
+        for i in range(len(responses)):
+            vals = [parts[n][i] for n in self.names]
+            totals.append(None if any(not math.isfinite(v) for v in vals)
+                          else sum(w * v for w, v in zip(self.weights, vals)))
+        return totals, parts
+
+
+def _bad(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    raise RewardError(f"grpo.rewards: reward {name!r} returned {value!r} ({type(value).__name__}); "
+                      "a reward must return a float")

@@ -1,0 +1,239 @@
+"""Rollouts, SLIME-style: a data buffer, engines behind one small interface, and the manager that
+over-samples groups, scores them, filters those without signal and carries the surplus over.
+
+An engine turns prompts (token ids) into `Generation`s (token ids, per-token logprobs under the
+sampling distribution, finish reason) and can receive new weights. `HFEngine` runs in process and
+shares the policy's module, so a weight sync costs nothing; `trainer.sglang.SGLangEngine` talks
+to SGLang servers over HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from trainer.chat import encode_prompt
+from trainer.config import RolloutConfig
+from trainer.data import prompt_messages
+from trainer.generate import Generation, generate
+from trainer.rewards import RewardError, RewardMix
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    def update_weights(self, model_dir: str | None) -> None: ...
+    def close(self) -> None: ...
+
+
+class HFEngine:
+    """In-process generation with the policy's own module (world size 1)."""
+
+    def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512) -> None:
+        self.module, self.tok, self.batch_size = module, tok, batch_size
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
+                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed)
+
+    def update_weights(self, model_dir: str | None) -> None:
+        pass  # shares the trainer's parameters
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- records
+
+@dataclass
+class Sample:
+    """One response to one prompt."""
+
+    example_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    text: str
+    finish_reason: str
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """n samples for one prompt; GRPO's advantages are relative within a group."""
+
+    example_index: int
+    samples: list[Sample]
+    round_generated: int
+
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+@dataclass
+class RolloutBatch:
+    round: int
+    groups: list[Group]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+
+# ---------------------------------------------------------------- data buffer
+
+class DataBuffer:
+    """Prompts in a seeded order that is reshuffled every epoch; its position is checkpointed."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n <= 0:
+            raise ValueError("rollout data buffer is empty: the train split has no prompts")
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._order = self._perm()
+
+    def _perm(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._perm()
+            step = min(k - len(out), self.n - self.pos)
+            out.extend(self._order[self.pos : self.pos + step])
+            self.pos += step
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._perm()
+
+
+# ---------------------------------------------------------------- manager
+
+def keep_group(group: Group, mode: str) -> bool:
+    """The dynamic-sampling filter: `nonzero_std` drops groups whose rewards all agree."""
+    if mode == "none":
+        return True
+    r = group.rewards()
+    return max(r) - min(r) > 1e-9
+
+
+class RolloutManager:
+    def __init__(self, cfg: RolloutConfig, examples: list[dict[str, Any]], tok, engine: RolloutEngine,
+                 rewards: RewardMix, seed: int, on_bad_reward: str = "error") -> None:
+        self.cfg, self.examples, self.tok, self.engine, self.rewards = cfg, examples, tok, engine, rewards
+        self.seed, self.on_bad_reward = seed, on_bad_reward
+        self.buffer = DataBuffer(len(examples), seed)
+        self.carry: list[Group] = []
+        self._prompt_cache: dict[int, list[int]] = {}
+
+    def _prompt(self, i: int) -> list[int]:
+        if i not in self._prompt_cache:
+            self._prompt_cache[i] = encode_prompt(self.tok, prompt_messages(self.examples[i]))
+        return self._prompt_cache[i]
+
+    def generate(self, round_: int) -> RolloutBatch:
+        """Generate n samples for enough prompts to fill a round after filtering (over-sampling)."""
+        cfg = self.cfg
+        want = max(0, math.ceil(cfg.prompts_per_round * cfg.over_sample) - len(self.carry))
+        t0 = time.perf_counter()
+        indices, too_long = [], 0
+        while len(indices) < want:
+            for i in self.buffer.take(want - len(indices)):
+                if len(self._prompt(i)) > cfg.max_prompt_tokens:
+                    too_long += 1
+                    if too_long > 10 * max(want, 1):
+                        raise RewardError(f"rollout.max_prompt_tokens={cfg.max_prompt_tokens}: almost every "
+                                          "prompt is longer; raise it")
+                else:
+                    indices.append(i)
+        prompts = [self._prompt(i) for i in indices for _ in range(cfg.n_samples_per_prompt)]
+        params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p, seed=self.seed * 100_003 + round_)
+        gens = self.engine.generate(prompts, params) if prompts else []
+        groups = []
+        for g_i, ex_i in enumerate(indices):
+            chunk = gens[g_i * cfg.n_samples_per_prompt : (g_i + 1) * cfg.n_samples_per_prompt]
+            groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason)
+                                       for g in chunk], round_))
+        seconds = time.perf_counter() - t0
+        n_tokens = sum(len(g.token_ids) for g in gens)
+        return RolloutBatch(round_, groups, {
+            "rollout/prompts_skipped_too_long": too_long, "rollout/generated_groups": len(groups),
+            "rollout/generated_tokens": n_tokens, "rollout/tokens_per_second": n_tokens / max(seconds, 1e-9),
+            "time/generate_seconds": seconds,
+        })
+
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """Rewards, the filter, and carry-over: returns the round's training batch."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        samples = batch.samples
+        totals, parts = self.rewards.score([s.text for s in samples], [self.examples[s.example_index] for s in samples])
+        bad = 0
+        for k, (s, total) in enumerate(zip(samples, totals)):
+            s.components = {name: parts[name][k] for name in parts}
+            if total is None:
+                if self.on_bad_reward == "error":
+                    raise RewardError(f"grpo.rewards: a reward returned a non-finite value {s.components} for "
+                                      f"example {self.examples[s.example_index]['id']!r}; fix the reward or set "
+                                      "grpo.on_bad_reward=skip")
+                bad += 1
+                s.reward = float("nan")
+            else:
+                s.reward = total
+        groups = []
+        for g in batch.groups:
+            g.samples = [s for s in g.samples if math.isfinite(s.reward)]
+            if g.samples:
+                groups.append(g)
+        kept = [g for g in groups if keep_group(g, cfg.dynamic_filter)]
+        pool = self.carry + kept
+        use, self.carry = pool[: cfg.prompts_per_round], pool[cfg.prompts_per_round:]
+        all_rewards = [s.reward for g in groups for s in g.samples]
+        samples_used = [s for g in use for s in g.samples]
+        lengths = [len(s.response_ids) for s in samples_used] or [0]
+        stats = dict(batch.stats)
+        stats.update({
+            "reward/mean": statistics.fmean(all_rewards) if all_rewards else 0.0,
+            "reward/std": statistics.pstdev(all_rewards) if len(all_rewards) > 1 else 0.0,
+            "rollout/accuracy": statistics.fmean(s.components.get("math", 0.0) for g in groups for s in g.samples)
+            if all_rewards else 0.0,
+            "rollout/groups_kept": len(kept), "rollout/groups_filtered": len(groups) - len(kept),
+            "rollout/groups_used": len(use), "rollout/groups_carried": len(self.carry),
+            "rollout/bad_rewards_skipped": bad,
+            "rollout/empty_responses": sum(1 for s in samples_used if not s.response_ids),
+            "rollout/truncated_responses": sum(1 for s in samples_used if s.finish_reason == "length"),
+            "rollout/response_length": statistics.fmean(lengths),
+            "time/reward_seconds": time.perf_counter() - t0,
+        })
+        for name in parts:
+            vals = [v for v in parts[name] if math.isfinite(v)]
+            stats[f"reward/{name}"] = statistics.fmean(vals) if vals else 0.0
+        return RolloutBatch(batch.round, use, stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": self.buffer.state_dict(), "carry": self.carry}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.carry = state["carry"]
