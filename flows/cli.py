@@ -20,7 +20,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402
 
-STAGE_COMMANDS = ["speedrun", "prepare-data", "tokenizer", "sft", "eval"]
+STAGE_COMMANDS = ["speedrun", "prepare-data", "tokenizer", "sft", "grpo", "eval"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,14 +46,18 @@ def print_summary(result: dict, seconds: float) -> None:
     for s in result["stages"]:
         m = s["metrics"]
         metric = next((f"{k}={v:.4g}" for k, v in m.items()
-                       if k in ("eval/accuracy", "sft/tokens_per_second", "data/n_train", "tokenizer/vocab_size")), "")
-        table.add_row(s["stage"], "cache hit" if s["cache_hit"] else "ran", f"{s['wall_seconds']:.1f}", metric)
+                       if k in ("eval/accuracy", "sft/tokens_per_second", "data/n_train", "tokenizer/vocab_size",
+                                "grpo/rounds")), "")
+        table.add_row(s["label"], "cache hit" if s["cache_hit"] else "ran", f"{s['wall_seconds']:.1f}", metric)
     console.print(table)
     hits = sum(s["cache_hit"] for s in result["stages"])
     console.print(f"stages: {len(result['stages'])} ({hits} cache hits, {len(result['stages']) - hits} ran)")
     for k, v in result["headline"].items():
         if k != "wall_seconds":
             console.print(f"{k}: {v:.1%}" if "accuracy" in k else f"{k}: {v:.4g}")
+    grpo = next((s for s in result["stages"] if s["stage"] == "grpo"), None)
+    if grpo and not grpo["cache_hit"]:
+        console.print(f"grpo wall time: {grpo['wall_seconds']:.1f}s over {grpo['metrics'].get('grpo/rounds', 0):.0f} rounds")
     console.print(f"wall time: {seconds:.1f}s")
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")

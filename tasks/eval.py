@@ -32,3 +32,18 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": model["stage"]}
 
     return run_stage(label, cfg, ("eval",), {"data": data, "model": model}, body, ref)
+
+
+def paired_comparison(before: dict, after: dict) -> dict[str, float]:
+    """Problems fixed / broken between two evals of the same held-out rows, and McNemar's z."""
+    a = {r["id"]: r["correct"] for r in load_results(before)}
+    b = {r["id"]: r["correct"] for r in load_results(after)}
+    common = a.keys() & b.keys()
+    fixed = sum(1 for k in common if b[k] and not a[k])
+    broken = sum(1 for k in common if a[k] and not b[k])
+    z = (fixed - broken) / (fixed + broken) ** 0.5 if fixed + broken else 0.0
+    return {"grpo_fixed": float(fixed), "grpo_broken": float(broken), "mcnemar_z": z}
+
+
+def load_results(manifest: dict) -> list[dict]:
+    return storage.read_jsonl(storage.join(manifest["uri"], "results.jsonl"))

@@ -40,10 +40,15 @@ class PipelineRun:
             "flow_run_id": self.ref.flow_run_id,
             "headline": dict(self.headline),
             "wall_seconds": time.perf_counter() - self.started,
-            "stages": [{"stage": m["stage"], "key": m["key"], "uri": m["uri"], "cache_hit": m["cache_hit"],
+            "stages": [{"stage": m["stage"], "label": _label(m), "key": m["key"], "uri": m["uri"], "cache_hit": m["cache_hit"],
                         "wall_seconds": m["wall_seconds"], "metrics": m.get("metrics", {})}
                        for m in self.stages],
         }
+
+
+def _label(manifest: dict[str, Any]) -> str:
+    evaluated = manifest.get("evaluated_stage")
+    return f"{manifest['stage']} ({evaluated})" if evaluated else manifest["stage"]
 
 
 def _experiment_id(client, name: str) -> str:

@@ -1,0 +1,35 @@
+"""The GRPO stage as rounds of Prefect tasks: rollout -> reward -> update (+ sync) -> eval / checkpoint.
+
+    posttrain grpo --preset tiny
+"""
+
+from __future__ import annotations
+
+from prefect.utilities.annotations import quote
+
+from tasks.common import TrackingRef, run_stage
+from tasks.grpo import finish, make_trainer, periodic_eval, reward, rollout, save_checkpoint, update
+
+
+def grpo_stage(cfg, data: dict, sft: dict, ref: TrackingRef, fault: dict | None = None) -> dict:
+    fault = fault or {}
+
+    def rounds(work, logger) -> dict:
+        trainer = make_trainer(cfg, data, sft, work, logger)
+        t = quote(trainer)  # a live object: Prefect must not walk into it
+        while not trainer.done():
+            r = trainer.round + 1
+            batch = rollout(t, r)
+            batch = reward(t, quote(batch), r)
+            update(t, quote(batch), r, fault=fault.get("grpo_after_update") == r and "after_update" or None)
+            if trainer.round % cfg.grpo.sample_table_every == 0:
+                logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
+            if trainer.should_eval():
+                periodic_eval(t, r)
+            if trainer.should_checkpoint():
+                save_checkpoint(t, r)
+            if fault.get("grpo_round") == r:
+                raise RuntimeError(f"injected fault after grpo round {r}")
+        return finish(trainer, work, logger)
+
+    return run_stage("grpo", cfg, ("rollout", "grpo"), {"data": data, "sft": sft}, rounds, ref)

@@ -1,0 +1,92 @@
+"""GRPO round steps as Prefect tasks: rollout, reward, update (+ weight sync), eval, checkpoint.
+
+The trainer object lives in this process across tasks (it holds the DeepSpeed engine). Callers
+wrap the trainer and batches in `quote()` so Prefect does not walk thousands of token ids
+looking for futures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import prefect_logger
+from tasks.prepare_data import load_split
+from tasks.sft import model_dir
+from trainer.grpo import GRPOTrainer
+from trainer.model import load_model
+from trainer.rollout import RolloutBatch
+from trainer.tokenizer import load_tokenizer
+
+
+def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
+    path = model_dir(sft)
+    tok = load_tokenizer(path)
+    model = load_model(path, cfg.model.dtype)
+    engine = None
+    if cfg.rollout.engine == "sglang":
+        from trainer.sglang import SGLangEngine
+
+        engine = SGLangEngine.from_config(cfg.rollout.sglang, str(path), tok)
+    trainer = GRPOTrainer(cfg, model, tok, load_split(data, "train"), load_split(data, "test"), work, logger, engine)
+    if trainer.resumed_from is not None:
+        prefect_logger().info("grpo: resuming from the checkpoint at round %d", trainer.resumed_from)
+    return trainer
+
+
+@task(name="rollout", task_run_name="rollout-r{round_}", cache_policy=NO_CACHE)
+def rollout(trainer: GRPOTrainer, round_: int) -> RolloutBatch:
+    return trainer.rollout()
+
+
+@task(name="reward", task_run_name="reward-r{round_}", cache_policy=NO_CACHE)
+def reward(trainer: GRPOTrainer, batch: RolloutBatch, round_: int) -> RolloutBatch:
+    return trainer.score(batch)
+
+
+@task(name="update", task_run_name="update-r{round_}", cache_policy=NO_CACHE)
+def update(trainer: GRPOTrainer, batch: RolloutBatch, round_: int, fault: str | None = None) -> dict[str, float]:
+    stats = trainer.update(batch)
+    if fault == "after_update":
+        raise RuntimeError(f"injected fault after the update of round {round_}")
+    stats["time/sync_seconds"] = trainer.sync()
+    log = prefect_logger()
+    log.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", round_,
+             stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
+             stats.get("rollout/groups_used", 0), stats.get("rollout/groups_filtered", 0),
+             stats.get("time/round_seconds", math.nan))
+    return stats
+
+
+@task(name="grpo-eval", task_run_name="grpo-eval-r{round_}", cache_policy=NO_CACHE)
+def periodic_eval(trainer: GRPOTrainer, round_: int) -> dict[str, float]:
+    metrics = trainer.evaluate()
+    prefect_logger().info("round %d eval: %s", round_, {k: round(v, 4) for k, v in metrics.items()})
+    return metrics
+
+
+@task(name="checkpoint", task_run_name="checkpoint-r{round_}", cache_policy=NO_CACHE)
+def save_checkpoint(trainer: GRPOTrainer, round_: int) -> None:
+    trainer.save()
+
+
+def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
+    trainer.export(work / "model")
+    (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))
+    last = trainer.history[-1] if trainer.history else {}
+    evals = [h for h in trainer.history if "eval/accuracy" in h]
+    metrics = {"grpo/rounds": trainer.round, "grpo/seconds": trainer.elapsed(),
+               "grpo/final_reward_mean": last.get("reward/mean", math.nan)}
+    if evals:
+        metrics["grpo/last_eval_accuracy"] = evals[-1]["eval/accuracy"]
+    logger.log_metrics(metrics)
+    logger.log_artifact(work / "history.jsonl")
+    logger.log_artifact(work / "model", "model")
+    trainer.engine.close()
+    return {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
+            "resumed_from_round": trainer.resumed_from}

@@ -1,0 +1,86 @@
+"""GRPO math pinned on hand-made numbers."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.grpo import aggregate, clipped_objective, group_advantages, kl_estimate
+
+
+def test_advantages_with_and_without_std():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    centred = group_advantages(r, std_normalize=False)
+    assert torch.allclose(centred, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]))
+    normed = group_advantages(r, std_normalize=True)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std(unbiased=True)  # 0.5774
+    assert torch.allclose(normed[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(normed[1], torch.zeros(4))  # a group that agrees carries no signal
+    assert torch.allclose(normed.sum(dim=1), torch.zeros(2), atol=1e-6)
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+@pytest.mark.parametrize("ratio", [0.5, 0.9, 1.0, 1.1, 1.5])
+def test_clipped_objective_value_and_gradient(adv, ratio):
+    lo, hi = 0.2, 0.28
+    logp_old = torch.tensor([-1.0])
+    logp = (logp_old + math.log(ratio)).clone().requires_grad_(True)
+    loss, clipped = clipped_objective(logp, logp_old, torch.tensor([adv]), lo, hi)
+    expected = -min(ratio * adv, min(max(ratio, 1 - lo), 1 + hi) * adv)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    loss.sum().backward()
+    # Outside the trust region on the side the advantage pushes towards, the gradient is zero;
+    # otherwise minimising the loss raises logp for positive and lowers it for negative advantages.
+    outside = (adv > 0 and ratio > 1 + hi) or (adv < 0 and ratio < 1 - lo)
+    if outside:
+        assert logp.grad.item() == 0.0 and clipped.item()
+    else:
+        assert not clipped.item()
+        assert math.copysign(1, -logp.grad.item()) == math.copysign(1, adv)
+        assert logp.grad.item() == pytest.approx(-adv * ratio, rel=1e-5)
+
+
+def test_clip_higher_bounds_are_separate():
+    logp_old = torch.zeros(2)
+    logp = torch.log(torch.tensor([1.25, 1.25]))
+    # ratio 1.25 lies inside 1 + 0.28 but outside 1 + 0.2.
+    _, c_sym = clipped_objective(logp, logp_old, torch.ones(2), 0.2, 0.2)
+    _, c_high = clipped_objective(logp, logp_old, torch.ones(2), 0.2, 0.28)
+    assert c_sym.all() and not c_high.any()
+
+
+def test_kl_estimators_match_formulas():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    logp_ref = torch.tensor([-1.5, -1.0, -0.5])
+    r = logp_ref - logp  # log(pi_ref / pi)
+    assert torch.allclose(kl_estimate(logp, logp_ref, "k1"), -r)
+    assert torch.allclose(kl_estimate(logp, logp_ref, "k2"), 0.5 * r**2)
+    assert torch.allclose(kl_estimate(logp, logp_ref, "k3"), torch.exp(r) - 1 - r)
+    assert (kl_estimate(logp, logp_ref, "k3") >= 0).all()
+    assert kl_estimate(logp, logp_ref, "k3")[2] == 0  # same policy, zero KL
+
+
+def test_kl_estimators_are_unbiased_or_low_variance_on_samples():
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.4, 0.4, 0.2])
+    true_kl = float((p * (p / q).log()).sum())
+    x = torch.multinomial(p, 200_000, replacement=True)
+    logp, logq = p.log()[x], q.log()[x]
+    assert kl_estimate(logp, logq, "k1").mean().item() == pytest.approx(true_kl, abs=2e-3)
+    assert kl_estimate(logp, logq, "k3").mean().item() == pytest.approx(true_kl, abs=2e-3)
+    assert kl_estimate(logp, logq, "k3").var() < kl_estimate(logp, logq, "k1").var()
+
+
+def test_loss_aggregation_modes():
+    per_tok = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert aggregate(per_tok, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(per_tok, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(per_tok, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    # Micro-batches with the mini-batch normaliser add up to the whole.
+    whole = aggregate(per_tok, mask, "token-mean")
+    parts = aggregate(per_tok[:1], mask[:1], "token-mean", 4.0) + aggregate(per_tok[1:], mask[1:], "token-mean", 4.0)
+    assert torch.allclose(whole, parts)
+    with pytest.raises(ValueError):
+        aggregate(per_tok, mask, "sum")
