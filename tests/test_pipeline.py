@@ -11,7 +11,11 @@ pytestmark = pytest.mark.slow
 SMALL = ["data.synthetic.n_train=600", "data.synthetic.n_test=40", "sft.max_steps=12",
          "sft.checkpoint_every=5", "sft.micro_batch_size=16", "model.hidden_size=32",
          "model.num_layers=1", "model.intermediate_size=64", "eval.max_new_tokens=24",
-         "sft.log_every=1"]
+         "sft.log_every=1", "grpo.rounds=4", "rollout.prompts_per_round=4", "rollout.n_samples_per_prompt=4",
+         "rollout.max_response_tokens=24", "grpo.eval_every=2", "grpo.eval_examples=10", "grpo.pass_k=2",
+         "grpo.checkpoint_every=2", "grpo.sample_table_every=2", "grpo.micro_batch_size=8",
+         "rollout.dynamic_filter=none"]
+STAGES = ["prepare_data", "tokenizer", "sft", "eval", "grpo", "eval"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def first_run(tmp_path_factory):
 
 def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
     root, _, result = first_run
-    assert [s["stage"] for s in result["stages"]] == ["prepare_data", "tokenizer", "sft", "eval"]
+    assert [s["stage"] for s in result["stages"]] == STAGES
     assert not any(s["cache_hit"] for s in result["stages"])
     for s in result["stages"]:
         manifest = json.loads((Path(s["uri"]) / "manifest.json").read_text())
@@ -34,8 +38,21 @@ def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
     assert (Path(sft["uri"]) / "model" / "config.json").is_file()
     assert (Path(sft["uri"]) / "model" / "tokenizer.json").is_file()
     assert sft["metrics"]["sft/steps"] == 12 and sft["metrics"]["sft/tokens_per_second"] > 0
+    grpo = next(s for s in result["stages"] if s["stage"] == "grpo")
+    assert grpo["metrics"]["grpo/rounds"] == 4
+    assert (Path(grpo["uri"]) / "model" / "model.safetensors").is_file()
+    history = [json.loads(x) for x in (Path(grpo["uri"]) / "history.jsonl").read_text().splitlines()]
+    assert [h["round"] for h in history] == [1, 2, 3, 4]
+    for key in ("reward/mean", "reward/std", "rollout/accuracy", "update/kl", "update/clip_frac",
+                "update/entropy", "rollout/response_length", "rollout/groups_kept", "rollout/groups_filtered",
+                "time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds"):
+        assert key in history[-1], key
+    assert "eval/accuracy" in history[1] and "eval/pass@2" in history[1]
     head = result["headline"]
-    assert 0.0 <= head["sft_accuracy"] <= 1.0 and head["final_accuracy"] == head["sft_accuracy"]
+    evals = [s for s in result["stages"] if s["stage"] == "eval"]
+    assert head["sft_accuracy"] == evals[0]["metrics"]["eval/accuracy"]
+    assert head["final_accuracy"] == evals[1]["metrics"]["eval/accuracy"]
+    assert {"grpo_fixed", "grpo_broken", "mcnemar_z"} <= set(head)
     assert (root / "runs" / result["mlflow_run_id"] / "config.yaml").is_file()
 
 
@@ -53,13 +70,18 @@ def test_mlflow_parent_and_child_runs(first_run):
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     by_stage = {c.data.tags["posttrain.stage"]: c for c in children}
-    assert set(by_stage) == {"prepare_data", "tokenizer", "sft", "eval"}
+    assert set(by_stage) == {"prepare_data", "tokenizer", "sft", "grpo", "eval"}
+    assert len([c for c in children if c.data.tags["posttrain.stage"] == "eval"]) == 2
     sft = by_stage["sft"]
     losses = client.get_metric_history(sft.info.run_id, "train/loss")
     assert len(losses) >= 10 and losses[-1].value < losses[0].value
     for name in ("train/lr", "train/grad_norm", "train/tokens_per_second"):
         assert client.get_metric_history(sft.info.run_id, name)
     assert "model" in {a.path for a in client.list_artifacts(sft.info.run_id)}
+    grpo = by_stage["grpo"]
+    assert len(client.get_metric_history(grpo.info.run_id, "reward/mean")) == 4
+    artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
+    assert "rollouts" in artifacts and "model" in artifacts and "history.jsonl" in artifacts
     ev = by_stage["eval"]
     assert "eval/accuracy" in ev.data.metrics and "eval/format_rate" in ev.data.metrics
     assert "eval_results.json" in {a.path for a in client.list_artifacts(ev.info.run_id)}
@@ -84,14 +106,20 @@ def test_prefect_flow_run_completed_with_a_task_per_stage(first_run):
                 tasks = await client.read_task_runs(
                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
                     limit=100, sort=TaskRunSort.EXPECTED_START_TIME_ASC)
-                if len(tasks) >= 4 and all(t.state and t.state.is_final() for t in tasks):
+                if len(tasks) >= 19 and all(t.state and t.state.is_final() for t in tasks):
                     break
                 await asyncio.sleep(0.5)
             return run, tasks
 
     run, tasks = asyncio.run(fetch())
     assert run.state.is_completed()
-    assert {t.name.rsplit("-", 1)[0] for t in tasks} == {"prepare_data", "tokenizer", "sft", "eval"}
+    names = [t.name for t in tasks]
+    for stage in ("prepare_data", "tokenizer", "sft", "eval"):
+        assert any(n.startswith(stage + "-") for n in names), (stage, names)
+    for r in range(1, 5):
+        for step in ("rollout", "reward", "update"):
+            assert f"{step}-r{r}" in names, (step, r, names)
+    assert "grpo-eval-r2" in names and "checkpoint-r2" in names
     assert all(t.state.is_completed() for t in tasks)
 
 
@@ -110,8 +138,21 @@ def test_changing_eval_settings_reuses_upstream(first_run):
 
     _, overrides, _ = first_run
     changed = speedrun(preset="tiny", overrides=overrides + ["eval.max_examples=10"])
-    hits = {s["stage"]: s["cache_hit"] for s in changed["stages"]}
-    assert hits == {"prepare_data": True, "tokenizer": True, "sft": True, "eval": False}
+    hits = [(s["stage"], s["cache_hit"]) for s in changed["stages"]]
+    assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", True), ("eval", False),
+                    ("grpo", True), ("eval", False)]
+
+
+def test_changing_only_grpo_settings_reuses_sft(first_run):
+    from flows.speedrun import speedrun
+
+    _, overrides, result = first_run
+    changed = speedrun(preset="tiny", overrides=overrides + ["grpo.lr=1e-5"])
+    hits = [(s["stage"], s["cache_hit"]) for s in changed["stages"]]
+    assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", True), ("eval", True),
+                    ("grpo", False), ("eval", False)]
+    sft_key = next(s["key"] for s in result["stages"] if s["stage"] == "sft")
+    assert next(s["key"] for s in changed["stages"] if s["stage"] == "sft") == sft_key
 
 
 def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):

@@ -64,14 +64,20 @@ def test_over_sampling_filter_and_carry_over(tiny_tokenizer):
 
     engine.texts_for = lambda i: "#### 0" if i % 2 == 0 else "no"
     batch = mgr.score(mgr.generate(2))
-    assert len(batch.groups) == 2 and len(mgr.carry) == 4
-    assert batch.stats["rollout/groups_carried"] == 4
+    # 6 groups with signal: 2 used, 2 carried (at most one round's worth), 2 dropped.
+    assert len(batch.groups) == 2 and len(mgr.carry) == 2
+    assert batch.stats["rollout/groups_carried"] == 2 and batch.stats["rollout/groups_dropped_stale"] == 2
     # Next round generates only what the carried groups do not cover, and uses carried first.
     carried = list(mgr.carry)
     nxt = mgr.generate(3)
-    assert len(nxt.groups) == 6 - 4
+    assert len(nxt.groups) == 6 - 2
     used = mgr.score(nxt)
-    assert used.groups[:2] == carried[:2]
+    assert used.groups[:2] == carried
+    # Groups older than one round are not used.
+    mgr.carry = [Group(0, [_sample(0, 1.0), _sample(0, 0.0)], round_generated=1)]
+    late = mgr.score(mgr.generate(5))
+    assert all(g.round_generated == 5 for g in late.groups)
+    assert late.stats["rollout/groups_dropped_stale"] >= 1
     state = mgr.state_dict()
     assert state["carry"] and state["buffer"]["pos"] > 0
 

@@ -24,6 +24,9 @@ from trainer.generate import Generation, generate
 from trainer.rewards import RewardError, RewardMix
 
 
+MAX_CARRY_AGE = 1  # rounds a surplus group may wait before it is dropped
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int
@@ -207,8 +210,15 @@ class RolloutManager:
             if g.samples:
                 groups.append(g)
         kept = [g for g in groups if keep_group(g, cfg.dynamic_filter)]
-        pool = self.carry + kept
-        use, self.carry = pool[: cfg.prompts_per_round], pool[cfg.prompts_per_round:]
+        # Carried groups come first (they waited longest) but only from the previous round: older
+        # ones are too far off-policy. The carry never holds more than one round's worth.
+        fresh_carry = [g for g in self.carry if batch.round - g.round_generated <= MAX_CARRY_AGE]
+        stale = len(self.carry) - len(fresh_carry)
+        pool = fresh_carry + kept
+        use = pool[: cfg.prompts_per_round]
+        surplus = pool[cfg.prompts_per_round :]
+        self.carry = surplus[: cfg.prompts_per_round]
+        stale += len(surplus) - len(self.carry)
         all_rewards = [s.reward for g in groups for s in g.samples]
         samples_used = [s for g in use for s in g.samples]
         lengths = [len(s.response_ids) for s in samples_used] or [0]
@@ -220,6 +230,7 @@ class RolloutManager:
             if all_rewards else 0.0,
             "rollout/groups_kept": len(kept), "rollout/groups_filtered": len(groups) - len(kept),
             "rollout/groups_used": len(use), "rollout/groups_carried": len(self.carry),
+            "rollout/groups_dropped_stale": stale,
             "rollout/bad_rewards_skipped": bad,
             "rollout/empty_responses": sum(1 for s in samples_used if not s.response_ids),
             "rollout/truncated_responses": sum(1 for s in samples_used if s.finish_reason == "length"),
