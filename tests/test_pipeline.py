@@ -47,7 +47,7 @@ def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
                 "update/entropy", "rollout/response_length", "rollout/groups_kept", "rollout/groups_filtered",
                 "time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds"):
         assert key in history[-1], key
-    assert "eval/accuracy" in history[1] and "eval/pass@2" in history[1]
+    assert "eval/accuracy" in history[1] and "eval/pass_at_2" in history[1]
     head = result["headline"]
     evals = [s for s in result["stages"] if s["stage"] == "eval"]
     assert head["sft_accuracy"] == evals[0]["metrics"]["eval/accuracy"]

@@ -114,6 +114,15 @@ class DeepSpeedConfig(Strict):
     precision: Literal["fp32", "bf16"] = "fp32"
     world_size: int = Field(1, ge=1, description="ranks for the DeepSpeed launcher")
 
+    @model_validator(mode="after")
+    def _single_rank(self) -> "DeepSpeedConfig":
+        if self.world_size != 1:
+            raise ValueError(
+                f"world_size={self.world_size}: launching several DeepSpeed ranks from the pipeline is "
+                "not supported yet; set world_size=1"
+            )
+        return self
+
 
 class SFTConfig(Strict):
     lr: float = Field(3e-3, gt=0, le=1.0)

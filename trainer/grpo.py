@@ -86,9 +86,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normaliser
 
 
 def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy."""
-    logits = module(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                   with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy.
+
+    Under the sampling temperature: the policy being optimised is the one rollouts came from."""
+    logits = module(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
@@ -211,15 +213,16 @@ class GRPOTrainer:
         packed = pack(samples, advs, self.tok.pad_token_id)
         module = self.ds.module
         mb = g.micro_batch_size
+        temp = self.cfg.rollout.temperature
         n = len(samples)
         with torch.no_grad():
             old, ref = [], []
             for i in range(0, n, mb):
                 part = _slice(packed, list(range(i, min(i + mb, n))))
-                lp, _ = token_logprobs(module, part.ids, part.attn)
+                lp, _ = token_logprobs(module, part.ids, part.attn, temperature=temp)
                 old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
                 if self.reference is not None:
-                    rp, _ = token_logprobs(self.reference, part.ids, part.attn)
+                    rp, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
                     ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
             logp_old = torch.cat(old)
             logp_ref = torch.cat(ref) if ref else None
@@ -250,7 +253,8 @@ class GRPOTrainer:
                     part = _slice(packed, part_idx)
                     sel_p = torch.tensor(part_idx)
                     w = part.mask.shape[1]
-                    lp, ent = token_logprobs(module, part.ids, part.attn, with_entropy=g.entropy_coef > 0)
+                    lp, ent = token_logprobs(module, part.ids, part.attn, with_entropy=g.entropy_coef > 0,
+                                             temperature=temp)
                     adv = part.adv.unsqueeze(1).expand_as(lp)
                     pg, clipped = clipped_objective(lp, logp_old[sel_p, :w], adv, g.clip_low, g.clip_high)
                     per_tok = pg * tis[sel_p, :w]
@@ -321,7 +325,7 @@ class GRPOTrainer:
             for i, ex in enumerate(examples):
                 chunk = gens[i * g.pass_k : (i + 1) * g.pass_k]
                 hits += any(is_correct(x.text, ex["answer"]) for x in chunk)
-            metrics[f"eval/pass@{g.pass_k}"] = hits / max(len(examples), 1)
+            metrics[f"eval/pass_at_{g.pass_k}"] = hits / max(len(examples), 1)
         metrics["time/eval_seconds"] = time.perf_counter() - t0
         self.logger.log_metrics(metrics, step=self.round)
         if self.history:
