@@ -16,6 +16,7 @@ import time
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "trainer")
 # Prefect's temporary server phones home at start; offline that costs a DNS time-out.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402

@@ -15,6 +15,7 @@ os.environ.pop("PREFECT_API_URL", None)  # no server configured: Prefect starts 
 os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"
 os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "trainer"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # trainer/ also runs outside flows
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
 os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
