@@ -31,5 +31,9 @@ test-fast: setup
 bench: setup
 	$(BIN)/python -m tests.bench
 
+# Prefect server + process work pool + worker + MLflow UI on 127.0.0.1, every deployment in prefect.yaml.
+serve: setup
+	$(BIN)/python -m deployments.serve
+
 clean:
 	rm -rf artifacts mlflow.db mlruns

@@ -2,12 +2,15 @@
 
     posttrain speedrun --preset tiny
     posttrain sft --preset tiny --set sft.lr=1e-3 --set sft.max_steps=200
+    posttrain speedrun --recompute sft                # ignore SFT's cached result (and what follows it)
     posttrain config --preset qwen2.5-0.5b-gsm8k      # print the resolved config
+    posttrain compare                                 # latest nightly vs the best earlier nightly
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,6 +25,7 @@ from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402
 
 STAGE_COMMANDS = ["speedrun", "prepare-data", "tokenizer", "sft", "grpo", "eval"]
+STAGES = ["prepare_data", "tokenizer", "sft", "grpo", "eval"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +37,16 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--preset", default="tiny", help="preset name under configs/ or a YAML path")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. sft.lr=1e-3 (repeatable)")
+        if name != "config":
+            sp.add_argument("--recompute", action="append", default=[], choices=STAGES, metavar="STAGE",
+                            help=f"recompute STAGE and every stage after it despite the cache; one of {STAGES}")
+            sp.add_argument("--json", dest="json_out", metavar="PATH", help="also write the run's result as JSON")
+        if name == "speedrun":
+            sp.add_argument("--nightly", action="store_true",
+                            help="tag the run as a nightly and compare it with the best earlier nightly")
+    cp = sub.add_parser("compare", help="a run (default: the latest nightly) vs the best earlier nightly")
+    cp.add_argument("--run", dest="run_id", help="MLflow run id of a speedrun (default: the latest nightly)")
+    cp.add_argument("--experiment", default="posttrain", help="MLflow experiment (default: posttrain)")
     return p
 
 
@@ -60,14 +74,35 @@ def print_summary(result: dict, seconds: float) -> None:
     if grpo and not grpo["cache_hit"]:
         console.print(f"grpo wall time: {grpo['wall_seconds']:.1f}s over {grpo['metrics'].get('grpo/rounds', 0):.0f} rounds")
     console.print(f"wall time: {seconds:.1f}s")
+    if result.get("registered_model"):
+        console.print(f"registered model: {result['registered_model']} (MLflow Model Registry)")
+    if result.get("comparison"):
+        console.print("against the best earlier nightly:")
+        console.print(result["comparison"], markup=False, highlight=False)
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     console.print(f"open MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
     console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
 
 
+def compare(args) -> int:
+    from mlflow import MlflowClient
+
+    from tasks.report import compare as compare_runs
+
+    client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    try:
+        print(compare_runs(client, args.experiment, args.run_id).text())
+    except InputError as exc:
+        print(f"posttrain: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "compare":
+        return compare(args)
     try:
         cfg = load_config(args.preset, args.overrides)  # fail fast, before any server starts
     except ConfigError as exc:
@@ -81,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     from flows.speedrun import FLOWS
 
     t0 = time.perf_counter()
+    kwargs = {"nightly": True} if getattr(args, "nightly", False) else {}
     try:
-        result = FLOWS[args.command](preset=args.preset, overrides=args.overrides)
+        result = FLOWS[args.command](preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
     print_summary(result, time.perf_counter() - t0)
     return 0
 

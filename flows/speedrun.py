@@ -5,74 +5,139 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from typing import Annotated, Literal, Union
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
+from pydantic import Field
 
 from flows.grpo import grpo_stage
+from tasks import report
 from tasks.eval import paired_comparison, run_eval
 from tasks.pipeline import pipeline_run
 from tasks.prepare_data import prepare_data
 from tasks.sft import run_sft
 from tasks.tokenizer import train_tokenizer
-from trainer.config import load_config
+from trainer.config import load_config, preset_names
+from trainer.faults import POINTS
 
 STAGES = ("prepare_data", "tokenizer", "sft", "grpo", "eval")
+# A stage and everything computed from it: what `recompute` forces besides the stage itself.
+DOWNSTREAM = {"prepare_data": STAGES, "tokenizer": ("tokenizer", "sft", "grpo", "eval"),
+              "sft": ("sft", "grpo", "eval"), "grpo": ("grpo", "eval"), "eval": ("eval",)}
+
+# Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
+Preset = Union[Literal[tuple(preset_names())],
+               Annotated[str, Field(pattern=r"\.ya?ml$", description="or a path to a YAML preset")]]
+Override = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=",
+                                description="dotted override, e.g. sft.lr=1e-3")]
+Stage = Literal[STAGES]
+Fault = dict[Literal[POINTS], Annotated[int, Field(ge=1)]]
+
+
+def expand_recompute(stages: list[str]) -> frozenset[str]:
+    return frozenset(s for stage in stages for s in DOWNSTREAM[stage])
+
+
+def first_attempt() -> bool:
+    """True unless this is a retry of a flow run (faults fire on the first attempt only)."""
+    from prefect.runtime import flow_run
+
+    return (flow_run.run_count or 1) <= 1
 
 
 def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
-                 fault: dict[str, int] | None = None) -> dict:
+                 fault: dict[str, int] | None = None, recompute: list[str] = (),
+                 nightly: bool = False) -> dict:
     cfg = load_config(preset, overrides)
-    fault = fault or {}
-    with pipeline_run(cfg, flow_name) as run:
+    fault = (fault or {}) if first_attempt() else {}
+    with pipeline_run(cfg, flow_name, expand_recompute(recompute), nightly) as run:
         data = run.add(prepare_data(cfg, run.ref))
         if until == "prepare_data":
             return run.result()
         tok = run.add(train_tokenizer(cfg, data, run.ref)) if cfg.tokenizer.train else None
         if until == "tokenizer":
             return run.result()
-        policy = run.add(run_sft(cfg, data, tok, run.ref, fault_at_step=fault.get("sft")))
+        policy = sft = run.add(run_sft(cfg, data, tok, run.ref, fault_at_step=fault.get("sft")))
         if until == "sft":
             return run.result()
         final_eval = sft_eval = run.add(run_eval(cfg, data, policy, run.ref))
         run.report(sft_accuracy=sft_eval["metrics"]["eval/accuracy"])
+        grpo = None
         if cfg.grpo.enabled and until in ("grpo", "eval"):
-            policy = run.add(grpo_stage(cfg, data, policy, run.ref, fault))
+            policy = grpo = run.add(grpo_stage(cfg, data, policy, run.ref, fault))
+            run.report(final_reward=grpo["metrics"]["grpo/final_reward_mean"])
             if until == "grpo":
                 return run.result()
             final_eval = run.add(run_eval(cfg, data, policy, run.ref))
             run.report(**paired_comparison(sft_eval, final_eval))
         run.report(final_accuracy=final_eval["metrics"]["eval/accuracy"])
+        run.report(wall_seconds=run.elapsed())
+        stages = {"prepare_data": data, "sft": sft, "grpo": grpo}
+        publish_run(quote(run), quote({k: v for k, v in stages.items() if v}), policy["stage"], nightly)
     return run.result()
 
 
+@task(name="report", cache_policy=NO_CACHE)
+def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
+    """Register the final policy, compare with earlier nightlies (nightly runs), publish artifacts."""
+    report.register_policy(run, stages, model_stage)
+    comparison = None
+    if nightly:
+        comparison = report.compare(run.logger.client, run.cfg.tracking.experiment, run.ref.parent_run_id)
+        text = run.comparison = comparison.text()
+        report.prefect_logger().info("nightly comparison:\n%s", text)
+        run.logger.log_text(text, "comparison.txt")
+        run.logger.log_metrics(comparison.deltas())
+        if comparison.baseline is not None:
+            run.logger.set_tags({"posttrain.compared_with": comparison.baseline.info.run_id})
+    report.publish(run, run.result(), stages.get("grpo"), comparison)
+
+
 @flow(name="speedrun", log_prints=True)
-def speedrun(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006 (Prefect form default)
-    """The whole pipeline: prepare_data -> tokenizer -> sft -> eval -> grpo -> eval."""
-    return run_pipeline(preset, overrides, "eval", "speedrun")
+def speedrun(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
+             nightly: bool = False, fault: Fault = {}) -> dict:  # noqa: B006 (Prefect form defaults)
+    """The whole pipeline: prepare_data -> tokenizer -> sft -> eval -> grpo -> eval.
+
+    Args:
+        preset: a preset under configs/ (or a YAML path)
+        overrides: dotted overrides applied to the preset, e.g. sft.lr=1e-3
+        recompute: stages to recompute despite a cached result (their descendants recompute too)
+        nightly: tag the MLflow run as a nightly and compare it with the best earlier nightly
+        fault: test hook: {point: n} fails once at that point (first attempt of a flow run only)
+    """
+    return run_pipeline(preset, overrides, "eval", "speedrun", fault, recompute, nightly)
 
 
 @flow(name="prepare_data")
-def prepare_data_flow(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "prepare_data", "prepare_data")
+def prepare_data_flow(preset: Preset = "tiny", overrides: list[Override] = [],  # noqa: B006
+                      recompute: list[Stage] = []) -> dict:  # noqa: B006
+    return run_pipeline(preset, overrides, "prepare_data", "prepare_data", recompute=recompute)
 
 
 @flow(name="tokenizer")
-def tokenizer_flow(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "tokenizer", "tokenizer")
+def tokenizer_flow(preset: Preset = "tiny", overrides: list[Override] = [],  # noqa: B006
+                   recompute: list[Stage] = []) -> dict:  # noqa: B006
+    return run_pipeline(preset, overrides, "tokenizer", "tokenizer", recompute=recompute)
 
 
 @flow(name="sft")
-def sft_flow(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "sft", "sft")
+def sft_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
+             fault: Fault = {}) -> dict:  # noqa: B006
+    return run_pipeline(preset, overrides, "sft", "sft", fault, recompute)
 
 
 @flow(name="grpo")
-def grpo_flow(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "grpo", "grpo")
+def grpo_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
+              fault: Fault = {}) -> dict:  # noqa: B006
+    return run_pipeline(preset, overrides, "grpo", "grpo", fault, recompute)
 
 
 @flow(name="eval")
-def eval_flow(preset: str = "tiny", overrides: list[str] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "eval", "eval")
+def eval_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
+              fault: Fault = {}) -> dict:  # noqa: B006
+    return run_pipeline(preset, overrides, "eval", "eval", fault, recompute)
 
 
 FLOWS = {"speedrun": speedrun, "prepare-data": prepare_data_flow, "tokenizer": tokenizer_flow,

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,12 +54,14 @@ def stage_key(cfg: RunConfig, stage: str, sections: tuple[str, ...], inputs: dic
 
 @dataclass(frozen=True)
 class TrackingRef:
-    """Where a stage logs: the MLflow parent run of this pipeline run (picklable, small)."""
+    """What every stage of one pipeline run shares (picklable, small): the MLflow parent run it
+    logs under, the Prefect flow run, and the stages this run must recompute despite the cache."""
 
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
     flow_run_id: str | None = None
+    recompute: frozenset[str] = frozenset()
 
 
 def tracking_uri() -> str:
@@ -176,13 +179,20 @@ def run_stage(
     folder = storage.join(cfg.artifact_root, stage, key)
     t0 = time.perf_counter()
     manifest = storage.read_manifest(folder)
+    if manifest is not None and stage in ref.recompute:
+        log.warning("%s: recompute requested; discarding the cached result at %s", stage, folder)
+        storage.remove(folder)
+        if storage.is_remote(folder):
+            shutil.rmtree(work_dir_for(folder), ignore_errors=True)  # its local checkpoints too
+        manifest = None
     if manifest is not None:
-        logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": manifest.get("mlflow_run_id", "")})
+        source = manifest.get("mlflow_run_id", "")
+        logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
         logger.log_metrics(manifest.get("metrics", {}))
         logger.client.set_terminated(logger.run_id)
         log.info("%s: cache hit (key %s) at %s", stage, key, folder)
         return {**manifest, "cache_hit": True, "wall_seconds": time.perf_counter() - t0,
-                "mlflow_run_id": logger.run_id}
+                "mlflow_run_id": logger.run_id, "source_run_id": source}
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": key})
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s); MLflow child run %s", stage, key, logger.run_id)
@@ -209,7 +219,7 @@ def run_stage(
     logger.log_text(json.dumps(manifest, indent=2, sort_keys=True), "manifest.json")
     logger.client.set_terminated(logger.run_id)
     log.info("%s: done in %.1fs, committed %s", stage, wall, storage.join(folder, storage.MANIFEST))
-    return {**manifest, "cache_hit": False}
+    return {**manifest, "cache_hit": False, "source_run_id": logger.run_id}
 
 
 def scratch_dir() -> Path:

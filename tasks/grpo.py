@@ -36,6 +36,7 @@ def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
     trainer = GRPOTrainer(cfg, model, tok, load_split(data, "train"), load_split(data, "test"), work, logger, engine)
     if trainer.resumed_from is not None:
         prefect_logger().info("grpo: resuming from the checkpoint at round %d", trainer.resumed_from)
+        logger.set_tags({"resumed_from_round": trainer.resumed_from})
     return trainer
 
 
@@ -50,10 +51,8 @@ def reward(trainer: GRPOTrainer, batch: RolloutBatch, round_: int) -> RolloutBat
 
 
 @task(name="update", task_run_name="update-r{round_}", cache_policy=NO_CACHE)
-def update(trainer: GRPOTrainer, batch: RolloutBatch, round_: int, fault: str | None = None) -> dict[str, float]:
+def update(trainer: GRPOTrainer, batch: RolloutBatch, round_: int) -> dict[str, float]:
     stats = trainer.update(batch)
-    if fault == "after_update":
-        raise RuntimeError(f"injected fault after the update of round {round_}")
     stats["time/sync_seconds"] = trainer.sync()
     log = prefect_logger()
     log.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", round_,

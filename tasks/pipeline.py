@@ -23,6 +23,8 @@ class PipelineRun:
     started: float = field(default_factory=time.perf_counter)
     stages: list[dict[str, Any]] = field(default_factory=list)
     headline: dict[str, float] = field(default_factory=dict)
+    registered_model: str | None = None  # "name/version" once the final policy is registered
+    comparison: str | None = None  # nightly runs: the comparison with the best earlier nightly
 
     def add(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Record a finished stage (ran or cache hit) and pass its manifest on."""
@@ -34,12 +36,19 @@ class PipelineRun:
         self.headline.update(metrics)
         self.logger.log_metrics(metrics)
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
     def result(self) -> dict[str, Any]:
         return {
+            "flow_name": self.flow_name,
+            "preset": self.cfg.name,
             "mlflow_run_id": self.ref.parent_run_id,
             "flow_run_id": self.ref.flow_run_id,
             "headline": dict(self.headline),
-            "wall_seconds": time.perf_counter() - self.started,
+            "registered_model": self.registered_model,
+            "comparison": self.comparison,
+            "wall_seconds": self.elapsed(),
             "stages": [{"stage": m["stage"], "label": _label(m), "key": m["key"], "uri": m["uri"], "cache_hit": m["cache_hit"],
                         "wall_seconds": m["wall_seconds"], "metrics": m.get("metrics", {})}
                        for m in self.stages],
@@ -71,7 +80,8 @@ def _flow_run() -> tuple[str | None, str | None]:
 
 
 @contextmanager
-def pipeline_run(cfg: RunConfig, flow_name: str) -> Iterator[PipelineRun]:
+def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
+                 nightly: bool = False) -> Iterator[PipelineRun]:
     from mlflow import MlflowClient
     from mlflow.entities import RunStatus
 
@@ -80,11 +90,13 @@ def pipeline_run(cfg: RunConfig, flow_name: str) -> Iterator[PipelineRun]:
     client = MlflowClient(tracking_uri=uri)
     exp_id = _experiment_id(client, cfg.tracking.experiment)
     flow_run_id, flow_run_name = _flow_run()
-    tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name}
+    tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name, "posttrain.nightly": str(nightly).lower()}
+    if recompute:
+        tags["posttrain.recompute"] = ",".join(sorted(recompute))
     if flow_run_id:
         tags.update({"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name or ""})
     run = client.create_run(exp_id, run_name=f"{flow_name}-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
-    ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id)
+    ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id, frozenset(recompute))
     logger = MlflowLogger(client, run.info.run_id)
     log.info("MLflow run %s (experiment %r, tracking %s)", run.info.run_id, cfg.tracking.experiment, uri)
     logger.log_params(cfg.to_dict())
@@ -97,5 +109,6 @@ def pipeline_run(cfg: RunConfig, flow_name: str) -> Iterator[PipelineRun]:
     except BaseException:
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
-    pipe.report(wall_seconds=time.perf_counter() - pipe.started)
+    if "wall_seconds" not in pipe.headline:
+        pipe.report(wall_seconds=pipe.elapsed())
     client.set_terminated(run.info.run_id)

@@ -29,6 +29,8 @@ def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_
         model = build_model(cfg.model, tok, cfg.seed)
         logger.log_params({"model.n_params": count_params(model)})
         engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
+        if result.resumed_from_step is not None:
+            logger.set_tags({"resumed_from_step": result.resumed_from_step})
         ds.export_model(engine, tok, work / "model")
         metrics = {"sft/final_loss": result.final_loss, "sft/tokens_per_second": result.tokens_per_second,
                    "sft/train_seconds": result.train_seconds, "sft/steps": result.steps,

@@ -45,7 +45,7 @@ def test_sft_trains_and_resumes_exactly(small_run, tiny_tokenizer, tmp_path):
     _, full = train_sft(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data, tmp_path / "a")
     assert full.steps == 6 and full.resumed_from_step is None
 
-    with pytest.raises(RuntimeError, match="injected fault after sft step 4"):
+    with pytest.raises(RuntimeError, match="injected fault at sft 4"):
         train_sft(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data, tmp_path / "b",
                   fault_at_step=4)
     assert checkpoint.committed_tags(tmp_path / "b" / "checkpoints") == ["step00000003"]

@@ -224,6 +224,8 @@ class EvalConfig(Strict):
 
 class TrackingConfig(Strict):
     experiment: str = "posttrain"
+    registered_model: str | None = Field(
+        None, description="MLflow Model Registry name of the final policy; default posttrain-<preset name>")
 
 
 class RunConfig(Strict):
@@ -267,6 +269,11 @@ def _dump(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
+def preset_names() -> list[str]:
+    """Presets shipped under configs/ (found recursively), as `--preset` and the Prefect form take them."""
+    return sorted(p.relative_to(CONFIGS_DIR).with_suffix("").as_posix() for p in CONFIGS_DIR.rglob("*.yaml"))
+
+
 def preset_path(preset: str) -> Path:
     """A preset name (`tiny`) or a path to a YAML file."""
     path = Path(preset)
@@ -276,7 +283,7 @@ def preset_path(preset: str) -> Path:
         return path
     candidate = CONFIGS_DIR / f"{preset}.yaml"
     if not candidate.is_file():
-        known = sorted(p.stem for p in CONFIGS_DIR.rglob("*.yaml"))
+        known = preset_names()
         raise ConfigError(f"unknown preset {preset!r}; choose one of {known} or pass a YAML path")
     return candidate
 

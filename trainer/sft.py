@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from trainer import checkpoint, engine as ds
+from trainer import checkpoint, engine as ds, faults
 from trainer.chat import encode_chat
 from trainer.config import RunConfig
 from trainer.errors import InputError
@@ -157,8 +157,7 @@ def train_sft(
                     "train/tokens_per_second": tok_t0 / max(elapsed, 1e-9),
                     "train/epoch": epoch + pos / len(order),
                 }, step=step)
-            if fault_at_step is not None and step == fault_at_step:
-                raise RuntimeError(f"injected fault after sft step {step}")
+            faults.check("sft", step, {"sft": fault_at_step} if fault_at_step else None)
             if step % s.checkpoint_every == 0 and step < total:
                 checkpoint.save(engine, ckpt_dir, step, {"epoch": epoch, "pos": pos,
                                                          "tokens_seen": tokens_seen + tok_t0})

@@ -1,0 +1,145 @@
+"""`make serve`: a Prefect server, the `posttrain-local` process work pool and a worker, the MLflow
+UI, and every deployment in prefect.yaml -- all on 127.0.0.1. Ctrl-C stops everything it started.
+
+    python -m deployments.serve [--prefect-port 4200] [--mlflow-port 5000]
+
+A Prefect server already answering on the port is reused rather than started twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = "posttrain-local"
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Services:
+    """What `start` launched; `stop` ends each process group."""
+
+    prefect_url: str
+    mlflow_url: str | None
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: Path | None = None
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def check(self) -> None:
+        """Raise if a service died (its log says why)."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / (name + '.log')}")
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait(url: str, what: str, services: Services, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not _healthy(url):
+        services.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer on {url} within {timeout:.0f}s; see {services.logs}")
+        time.sleep(0.5)
+
+
+def _spawn(services: Services, name: str, cmd: list[str]) -> None:
+    log = open(services.logs / f"{name}.log", "ab")
+    services.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=services.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+
+def _run(services: Services, cmd: list[str], what: str) -> str:
+    out = subprocess.run(cmd, cwd=ROOT, env=services.env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(cmd)}):\n{out.stdout}\n{out.stderr}")
+    return out.stdout
+
+
+def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[str, str] | None = None,
+          logs: Path | None = None) -> Services:
+    env = dict(os.environ if env is None else env)
+    api = f"http://{HOST}:{prefect_port}/api"
+    env.update({"PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_LOGGING_EXTRA_LOGGERS": "trainer", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"})
+    env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    logs = logs or ROOT / ".serve"
+    logs.mkdir(parents=True, exist_ok=True)
+    services = Services(f"http://{HOST}:{prefect_port}", f"http://{HOST}:{mlflow_port}" if mlflow_port else None,
+                        env, logs=logs)
+    try:
+        if not _healthy(f"{api}/health"):
+            _spawn(services, "prefect-server",
+                   [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
+            _wait(f"{api}/health", "the Prefect server", services)
+        _run(services, [_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
+             "creating the work pool")
+        _run(services, [_bin("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "prefect.yaml")],
+             "prefect deploy --all")
+        _spawn(services, "prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"])
+        if mlflow_port:
+            _spawn(services, "mlflow-ui", [_bin("mlflow"), "server", "--backend-store-uri", env["MLFLOW_TRACKING_URI"],
+                                           "--host", HOST, "--port", str(mlflow_port)])
+            _wait(f"{services.mlflow_url}/health", "the MLflow UI", services)
+        services.check()
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    args = p.parse_args(argv)
+    services = start(args.prefect_port, args.mlflow_port)
+    print(f"Prefect UI:   {services.prefect_url}   (API {services.prefect_url}/api)")
+    print(f"MLflow UI:    {services.mlflow_url}   (tracking {services.env['MLFLOW_TRACKING_URI']})")
+    print(f"work pool:    {POOL} (process), worker running; logs in {services.logs}")
+    print("deployments:  speedrun/speedrun-nightly (03:00 Europe/Berlin), speedrun/speedrun, sft/sft, grpo/grpo, eval/eval")
+    print(f"run one:      PREFECT_API_URL={services.prefect_url}/api .venv/bin/prefect deployment run speedrun/speedrun")
+    print("Ctrl-C stops everything.", flush=True)
+    try:
+        while True:
+            services.check()
+            time.sleep(2)
+    except KeyboardInterrupt:
+        print("stopping ...")
+    finally:
+        services.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

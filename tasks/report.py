@@ -1,0 +1,220 @@
+"""What a finished speedrun leaves for people: a plot and summary in Prefect and MLflow, the final
+policy in the MLflow Model Registry with its lineage, and the comparison with earlier nightlies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.common import prefect_logger
+from trainer import storage
+
+COMPARED = ("final_accuracy", "sft_accuracy", "final_reward", "wall_seconds")
+
+
+# ---------------------------------------------------------------- plot
+
+def grpo_history(grpo: dict | None) -> list[dict[str, Any]]:
+    if not grpo:
+        return []
+    return storage.read_jsonl(storage.join(grpo["uri"], "history.jsonl"))
+
+
+def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> bytes:
+    """Reward and accuracy per GRPO round, with the SFT and final greedy accuracy as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    rounds = [h["round"] for h in history]
+    if history:
+        ax.plot(rounds, [h.get("reward/mean", math.nan) for h in history], lw=1, alpha=0.6, label="reward (train rollouts)")
+        ax.plot(rounds, [h.get("rollout/accuracy", math.nan) for h in history], lw=1, alpha=0.6,
+                label="rollout accuracy")
+        evals = [h for h in history if "eval/accuracy" in h]
+        if evals:
+            ax.plot([h["round"] for h in evals], [h["eval/accuracy"] for h in evals], "o-", label="held-out greedy accuracy")
+    for name, style in (("sft_accuracy", ":"), ("final_accuracy", "--")):
+        if name in headline:
+            ax.axhline(headline[name], ls=style, color="k", lw=1, label=f"{name} {headline[name]:.1%}")
+    ax.set_xlabel("GRPO round")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def summary_markdown(result: dict[str, Any], png: bytes, comparison: "Comparison | None") -> str:
+    head = result["headline"]
+    lines = [f"# posttrain {result['flow_name']} ({result['preset']})", "",
+             f"MLflow run `{result['mlflow_run_id']}`", ""]
+    for k in ("sft_accuracy", "final_accuracy"):
+        if k in head:
+            lines.append(f"- **{k}**: {head[k]:.1%}")
+    if "grpo_fixed" in head:
+        lines.append(f"- GRPO fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} "
+                     f"held-out problems (McNemar z = {head['mcnemar_z']:.2f})")
+    lines += ["", "| stage | status | wall s |", "|---|---|---|"]
+    lines += [f"| {s['label']} | {'cache hit' if s['cache_hit'] else 'ran'} | {s['wall_seconds']:.1f} |"
+              for s in result["stages"]]
+    lines += ["", f"![reward and accuracy per round](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    if comparison is not None:
+        lines += ["", "## Against the best earlier nightly", "", "```", comparison.text(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def eval_table(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for s in stages:
+        if s["stage"] == "eval":
+            m = s["metrics"]
+            rows.append({"model": s["label"], "accuracy": round(m.get("eval/accuracy", math.nan), 4),
+                         "format_rate": round(m.get("eval/format_rate", math.nan), 4),
+                         "mean_response_tokens": round(m.get("eval/mean_response_tokens", math.nan), 1),
+                         "n": m.get("eval/n", ""), "cache_hit": s["cache_hit"]})
+    return rows
+
+
+def publish(run, result: dict[str, Any], grpo: dict | None, comparison: "Comparison | None" = None) -> None:
+    """Prefect artifacts (markdown summary with the plot, eval table) and the plot in MLflow."""
+    png = progress_png(grpo_history(grpo), result["headline"])
+    run.logger.client.log_image(run.ref.parent_run_id, _png_image(png), "plots/progress.png")
+    if run.ref.flow_run_id is None:
+        return
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = _artifact_key(result["flow_name"])
+    create_markdown_artifact(summary_markdown(result, png, comparison), key=f"{key}-summary",
+                             description="posttrain summary: accuracy, stage times, reward/accuracy per round")
+    create_table_artifact(eval_table(result["stages"]), key=f"{key}-eval", description="held-out evaluation")
+
+
+def _png_image(png: bytes):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def _artifact_key(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower())
+
+
+# ---------------------------------------------------------------- model registry
+
+def register_policy(run, stages: dict[str, dict], model_stage: str) -> tuple[str, str] | None:
+    """Register the final policy (the `model_stage` manifest's exported model) with its lineage.
+    A policy already registered (same stage key) is not registered twice; returns (name, version)."""
+    from mlflow.exceptions import MlflowException
+
+    client, cfg, log = run.logger.client, run.cfg, prefect_logger()
+    policy = stages[model_stage]
+    name = cfg.tracking.registered_model or f"posttrain-{cfg.name.replace('.', '-')}"
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description=f"posttrain final policies of preset {cfg.name}")
+    for v in client.search_model_versions(f"name = '{name}'"):
+        if v.tags.get("posttrain.policy_key") == policy["key"]:
+            log.info("final policy already registered as %s version %s", name, v.version)
+            run.registered_model = f"{name}/{v.version}"
+            run.logger.set_tags({"posttrain.registered_model": run.registered_model})
+            return name, v.version
+    source_run = policy["source_run_id"]
+    source = client.get_run(source_run).info.artifact_uri.rstrip("/") + "/model"
+    tags = {
+        "posttrain.policy_key": policy["key"], "posttrain.policy_stage": model_stage,
+        "posttrain.dataset_key": stages["prepare_data"]["key"], "posttrain.dataset_uri": stages["prepare_data"]["uri"],
+        "posttrain.sft_run": stages["sft"]["source_run_id"], "posttrain.sft_key": stages["sft"]["key"],
+        "posttrain.config_hash": config_hash(cfg), "posttrain.pipeline_run": run.ref.parent_run_id,
+        "posttrain.preset": cfg.name,
+    }
+    if "grpo" in stages:
+        tags.update({"posttrain.grpo_run": stages["grpo"]["source_run_id"], "posttrain.grpo_key": stages["grpo"]["key"]})
+    if run.ref.flow_run_id:
+        tags["prefect.flow_run_id"] = run.ref.flow_run_id
+    version = client.create_model_version(name, source, run_id=source_run, tags=tags,
+                                          description=f"final policy of MLflow run {run.ref.parent_run_id}")
+    run.registered_model = f"{name}/{version.version}"
+    run.logger.set_tags({"posttrain.registered_model": run.registered_model})
+    log.info("registered the final policy as %s version %s", name, version.version)
+    return name, version.version
+
+
+def config_hash(cfg) -> str:
+    return cfg.section_hash(*(k for k in cfg.to_dict() if k not in ("name", "artifact_root", "tracking")))
+
+
+# ---------------------------------------------------------------- nightly comparison
+
+@dataclass
+class Comparison:
+    run: Any
+    baseline: Any | None
+    rows: list[tuple[str, float | None, float | None]]
+
+    def text(self) -> str:
+        r = self.run
+        lines = [f"run       {r.info.run_id}  {r.info.run_name}"]
+        if self.baseline is None:
+            lines.append("baseline  none: no earlier finished nightly run to compare with")
+        else:
+            b = self.baseline
+            lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  (best earlier nightly by final_accuracy)")
+        lines.append(f"{'metric':<16}{'run':>12}{'baseline':>12}{'delta':>12}")
+        for name, mine, base in self.rows:
+            delta = mine - base if mine is not None and base is not None else None
+            pct = "accuracy" in name
+            lines.append(f"{name:<16}{_fmt(mine, pct):>12}{_fmt(base, pct):>12}{_fmt(delta, pct, sign=True):>12}")
+        return "\n".join(lines)
+
+    def deltas(self) -> dict[str, float]:
+        return {f"delta_{n}": m - b for n, m, b in self.rows if m is not None and b is not None}
+
+
+def _fmt(v: float | None, pct: bool, sign: bool = False) -> str:
+    if v is None:
+        return "-"
+    if pct:
+        return f"{v * 100:+.1f} pt" if sign else f"{v:.1%}"
+    return f"{v:+.4g}" if sign else f"{v:.4g}"
+
+
+def nightly_runs(client, experiment_id: str) -> list[Any]:
+    return client.search_runs(
+        [experiment_id], "tags.`posttrain.nightly` = 'true' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"], max_results=500)
+
+
+def compare(client, experiment: str, run_id: str | None = None) -> Comparison:
+    """`run_id` (default: the latest finished nightly) against the best earlier finished nightly."""
+    from trainer.errors import InputError
+
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise InputError(f"MLflow experiment {experiment!r} does not exist; check --experiment or MLFLOW_TRACKING_URI")
+    nightlies = nightly_runs(client, exp.experiment_id)
+    if run_id is None:
+        if not nightlies:
+            raise InputError(f"no finished nightly run in experiment {experiment!r}; run the speedrun-nightly "
+                             "deployment (or `posttrain speedrun --nightly`) first, or pass --run RUN_ID")
+        run = nightlies[0]
+    else:
+        try:
+            run = client.get_run(run_id)
+        except Exception:
+            raise InputError(f"--run {run_id}: no such MLflow run in {client.tracking_uri}") from None
+    earlier = [r for r in nightlies if r.info.start_time < run.info.start_time and r.info.run_id != run.info.run_id
+               and "final_accuracy" in r.data.metrics]
+    baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)
+    rows = [(m, run.data.metrics.get(m), baseline.data.metrics.get(m) if baseline else None) for m in COMPARED]
+    return Comparison(run, baseline, rows)

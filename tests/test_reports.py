@@ -1,0 +1,131 @@
+"""Reports of a finished speedrun: Prefect artifacts (markdown summary with the plot, eval table),
+the plot in MLflow, the final policy in the Model Registry with its lineage, and `posttrain
+compare` between nightly runs. Two real nightly speedruns (small budget) through the CLI."""
+
+import asyncio
+import json
+
+import pytest
+
+from tests.test_pipeline import SMALL
+
+pytestmark = pytest.mark.slow
+EXPERIMENT = "nightly-test"
+MODEL = "posttrain-nightly-test"
+
+
+@pytest.fixture(scope="module")
+def nightlies(tmp_path_factory):
+    from flows.cli import main
+
+    root = tmp_path_factory.mktemp("nightly")
+    base = SMALL + [f"artifact_root={root}", f"tracking.experiment={EXPERIMENT}", f"tracking.registered_model={MODEL}"]
+    results = []
+    for i, extra in enumerate([[], ["grpo.lr=3e-3"]]):
+        argv = ["speedrun", "--nightly", "--json", str(root / f"r{i}.json")]
+        for o in base + extra:
+            argv += ["--set", o]
+        assert main(argv) == 0
+        results.append(json.loads((root / f"r{i}.json").read_text()))
+    return results
+
+
+def test_first_nightly_has_no_baseline_second_compares_with_it(nightlies):
+    first, second = nightlies
+    assert "baseline  none" in first["comparison"]
+    assert f"baseline  {first['mlflow_run_id']}" in second["comparison"]
+    assert f"run       {second['mlflow_run_id']}" in second["comparison"]
+
+
+def test_compare_cli_prints_latest_nightly_against_best_earlier(nightlies, capsys):
+    from mlflow import MlflowClient
+
+    from flows.cli import main
+
+    first, second = nightlies
+    capsys.readouterr()
+    assert main(["compare", "--experiment", EXPERIMENT]) == 0
+    out = capsys.readouterr().out
+    assert f"run       {second['mlflow_run_id']}" in out and f"baseline  {first['mlflow_run_id']}" in out
+    client = MlflowClient()
+    a, b = (client.get_run(r["mlflow_run_id"]).data.metrics for r in (second, first))
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    for metric in ("final_accuracy", "sft_accuracy"):
+        assert rows[metric][1] == f"{a[metric]:.1%}" and rows[metric][2] == f"{b[metric]:.1%}"
+        assert rows[metric][3] == f"{(a[metric] - b[metric]) * 100:+.1f}"
+    assert rows["wall_seconds"][3] == f"{a['wall_seconds'] - b['wall_seconds']:+.4g}"
+    assert rows["final_reward"][3] == f"{a['final_reward'] - b['final_reward']:+.4g}"
+    # the nightly flow logged the same comparison on its run
+    second_run = client.get_run(second["mlflow_run_id"])
+    assert second_run.data.tags["posttrain.compared_with"] == first["mlflow_run_id"]
+    assert "delta_final_accuracy" in second_run.data.metrics
+
+
+def test_compare_errors_name_the_fix(capsys):
+    from flows.cli import main
+
+    assert main(["compare", "--experiment", "no-such-experiment"]) == 2
+    assert "no-such-experiment" in capsys.readouterr().err
+    assert main(["compare", "--experiment", EXPERIMENT, "--run", "0" * 32]) == 2
+    assert "--run" in capsys.readouterr().err
+
+
+def test_final_policy_registered_with_lineage(nightlies):
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    versions = sorted(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
+    assert len(versions) == 2  # two different GRPO settings: two policies
+    for v, result in zip(versions, nightlies):
+        stages = {s["stage"]: s for s in result["stages"]}
+        parent = client.get_run(result["mlflow_run_id"])
+        assert result["registered_model"] == f"{MODEL}/{v.version}"
+        assert v.tags["posttrain.dataset_key"] == stages["prepare_data"]["key"]
+        assert v.tags["posttrain.grpo_key"] == stages["grpo"]["key"] == v.tags["posttrain.policy_key"]
+        assert v.tags["posttrain.pipeline_run"] == parent.info.run_id
+        assert len(v.tags["posttrain.config_hash"]) == 16
+        grpo_run = client.get_run(v.tags["posttrain.grpo_run"])
+        assert grpo_run.data.tags["posttrain.stage"] == "grpo" and v.run_id == grpo_run.info.run_id
+        assert client.get_run(v.tags["posttrain.sft_run"]).data.tags["posttrain.stage"] == "sft"
+        assert v.source.endswith("/model")
+    # the second run reused data and SFT from cache: same lineage there
+    assert versions[0].tags["posttrain.sft_key"] == versions[1].tags["posttrain.sft_key"]
+    assert versions[0].tags["posttrain.config_hash"] != versions[1].tags["posttrain.config_hash"]
+
+
+def test_rerun_does_not_register_the_same_policy_twice(nightlies, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.speedrun import speedrun
+
+    first = nightlies[0]
+    root = first["stages"][0]["uri"].rsplit("/prepare_data/", 1)[0]
+    again = speedrun(preset="tiny", overrides=SMALL + [f"artifact_root={root}", f"tracking.experiment={EXPERIMENT}",
+                                                      f"tracking.registered_model={MODEL}"])
+    assert all(s["cache_hit"] for s in again["stages"])
+    assert again["registered_model"] == first["registered_model"]
+    assert len(MlflowClient().search_model_versions(f"name = '{MODEL}'")) == 2
+
+
+def test_prefect_artifacts_and_mlflow_plot(nightlies):
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    result = nightlies[1]
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[result["flow_run_id"]])),
+                limit=50)
+
+    artifacts = {a.type: a for a in asyncio.run(fetch())}
+    md = artifacts["markdown"].data
+    assert "data:image/png;base64," in md and "final_accuracy" in md and "Against the best earlier nightly" in md
+    table = artifacts["table"].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    assert [r["model"] for r in rows] == ["eval (sft)", "eval (grpo)"]
+    assert rows[1]["accuracy"] == round(result["headline"]["final_accuracy"], 4)
+    paths = {a.path for a in MlflowClient().list_artifacts(result["mlflow_run_id"], "plots")}
+    assert any(p.startswith("plots/progress") for p in paths), paths

@@ -1,0 +1,106 @@
+"""Exact resume after SIGKILL: the tiny speedrun (small budget) is killed at three points, re-run,
+and must end with exactly the weights and metrics of an uninterrupted run, without re-running
+the stages that had finished. Each run is the real CLI in its own process group (its Prefect
+temporary server included), killed the way an OOM killer or a pre-empted machine would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_pipeline import SMALL
+
+pytestmark = pytest.mark.slow
+
+# 5 GRPO rounds with checkpoints at rounds 2 and 4; SFT checkpoints at steps 5 and 10 of 12.
+OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpoint_every="))] + [
+    "grpo.rounds=5", "grpo.checkpoint_every=2"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(root: Path, out: Path, fault: str | None = None, timeout: float = 600) -> tuple[int, float]:
+    env = dict(os.environ)
+    env.pop("POSTTRAIN_FAULT", None)
+    if fault:
+        env["POSTTRAIN_FAULT"] = fault
+    cmd = [sys.executable, "-m", "flows.cli", "speedrun", "--json", str(out), "--set", f"artifact_root={root}"]
+    for o in OVERRIDES:
+        cmd += ["--set", o]
+    t0 = time.perf_counter()
+    # Output to a file, not a pipe: the killed CLI's orphaned children would hold a pipe open.
+    log = out.with_suffix(".log")
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            try:  # the CLI's own children (Prefect's temporary server) go with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    seconds = time.perf_counter() - t0
+    if fault is None and proc.returncode != 0:
+        raise AssertionError(log.read_text()[-4000:])
+    return proc.returncode, seconds
+
+
+def manifest(result: dict, stage: str, index: int = 0) -> dict:
+    s = [x for x in result["stages"] if x["stage"] == stage][index]
+    return json.loads((Path(s["uri"]) / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    code, seconds = run_cli(root, root / "result.json")
+    print(f"\nuninterrupted run: {seconds:.1f}s")
+    return json.loads((root / "result.json").read_text())
+
+
+# (fault point, the stage it interrupts, stages finished before it, where the resume starts)
+CASES = [
+    ("sft@7:kill", "sft", ["prepare_data", "tokenizer"], 5),
+    ("grpo_mid_round@3:kill", "grpo", ["prepare_data", "tokenizer", "sft", "eval"], 2),
+    ("grpo_after_update@4:kill", "grpo", ["prepare_data", "tokenizer", "sft", "eval"], 2),
+]
+
+
+@pytest.mark.parametrize("fault,stage,finished,resumed_at", CASES, ids=[c[0].split(":")[0] for c in CASES])
+def test_sigkill_then_rerun_is_exact(reference, tmp_path, fault, stage, finished, resumed_at):
+    code, killed_s = run_cli(tmp_path, tmp_path / "killed.json", fault)
+    assert code == -signal.SIGKILL, f"expected the run to die of SIGKILL, got exit code {code}"
+    assert not (tmp_path / "killed.json").exists()
+    # the interrupted stage left checkpoints but no manifest: it is not a finished result
+    stage_dirs = list((tmp_path / stage).iterdir())
+    assert len(stage_dirs) == 1 and not (stage_dirs[0] / "manifest.json").exists()
+    assert list((stage_dirs[0] / "checkpoints").glob("step*/COMMITTED"))
+
+    _, resumed_s = run_cli(tmp_path, tmp_path / "resumed.json")
+    print(f"\n{fault}: killed run {killed_s:.1f}s, resumed run {resumed_s:.1f}s")
+    result = json.loads((tmp_path / "resumed.json").read_text())
+    status = [(s["stage"], s["cache_hit"]) for s in result["stages"]]
+    n = len(finished)
+    assert status[:n] == [(s, True) for s in finished]  # finished stages were not re-executed
+    assert not any(hit for _, hit in status[n:])
+
+    if stage == "sft":
+        assert manifest(result, "sft")["result"]["resumed_from_step"] == resumed_at
+    else:
+        assert manifest(result, "grpo")["resumed_from_round"] == resumed_at
+    # exactly the uninterrupted run's weights and metrics
+    assert manifest(result, "sft")["result"]["state_hash"] == manifest(reference, "sft")["result"]["state_hash"]
+    assert manifest(result, "grpo")["state_hash"] == manifest(reference, "grpo")["state_hash"]
+    assert manifest(result, "grpo")["metrics"] == manifest(reference, "grpo")["metrics"] | {
+        "grpo/seconds": manifest(result, "grpo")["metrics"]["grpo/seconds"]}
+    assert result["headline"]["sft_accuracy"] == reference["headline"]["sft_accuracy"]
+    assert result["headline"]["final_accuracy"] == reference["headline"]["final_accuracy"]
+    history = [json.loads(x) for x in (Path(manifest(result, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
+    ref_history = [json.loads(x) for x in
+                   (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
+    assert [h["round"] for h in history] == [1, 2, 3, 4, 5]
+    assert [h["reward/mean"] for h in history] == [h["reward/mean"] for h in ref_history]

@@ -1,0 +1,46 @@
+"""Fault injection at named points, for the resume tests and the retry demo.
+
+Two ways in:
+- a flow's `fault` parameter, e.g. {"sft": 7}: raises after SFT step 7 (a failed task and flow run);
+- the environment, POSTTRAIN_FAULT="sft@7:kill" (comma-separated): `kill` sends this process
+  SIGKILL at that point, like an OOM kill or a pre-empted machine; `raise` (the default) raises.
+
+Points: `sft` (after optimizer step n), `grpo_mid_round` (round n rolled out and scored, not yet
+updated), `grpo_after_update` (round n updated, its checkpoint not yet written), `grpo_round`
+(round n finished, checkpoint included).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = ("sft", "grpo_mid_round", "grpo_after_update", "grpo_round")
+ENV = "POSTTRAIN_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def parse(spec: str) -> list[tuple[str, int, str]]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, _, rest = item.partition("@")
+        at, _, mode = rest.partition(":")
+        mode = mode or "raise"
+        if point not in POINTS or not at.isdigit() or mode not in ("raise", "kill"):
+            raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill] with POINT one of {POINTS}")
+        out.append((point, int(at), mode))
+    return out
+
+
+def check(point: str, n: int, faults: dict[str, int] | None = None) -> None:
+    """Fail here if a fault is set for (point, n)."""
+    for p, at, mode in parse(os.environ.get(ENV, "")):
+        if p == point and at == n:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedFault(f"injected fault at {point} {n} ({ENV})")
+    if faults and faults.get(point) == n:
+        raise InjectedFault(f"injected fault at {point} {n}")
