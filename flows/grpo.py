@@ -8,8 +8,8 @@ from __future__ import annotations
 from prefect.utilities.annotations import quote
 
 from tasks.common import TrackingRef, run_stage
-from trainer import faults
 from tasks.grpo import finish, make_trainer, periodic_eval, reward, rollout, save_checkpoint, update
+from trainer import faults
 
 
 def grpo_stage(cfg, data: dict, sft: dict, ref: TrackingRef, fault: dict | None = None) -> dict:
