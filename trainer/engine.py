@@ -18,6 +18,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_OWNER = "POSTTRAIN_ONE_RANK_GROUP_PID"  # set when this module made up a one-rank group's settings
+
+
 def init_distributed() -> None:
     """Join the launcher's process group, or make a one-rank group for a plain process."""
     import deepspeed
@@ -25,6 +28,14 @@ def init_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
+    owner = os.environ.get(_OWNER)
+    if owner is not None and owner != str(os.getpid()):
+        # A one-rank group's settings inherited from the process that made them (a test runner,
+        # a Prefect worker): that process may still hold the port, so this one picks its own.
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+    if "MASTER_PORT" not in os.environ:
+        os.environ[_OWNER] = str(os.getpid())
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
