@@ -83,6 +83,7 @@ def print_summary(result: dict, seconds: float) -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     console.print(f"open MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
     console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
+    console.print("or both, with the deployments and a worker: make serve")
 
 
 def compare(args) -> int:

@@ -155,6 +155,19 @@ def test_changing_only_grpo_settings_reuses_sft(first_run):
     assert next(s["key"] for s in changed["stages"] if s["stage"] == "sft") == sft_key
 
 
+def test_recompute_forces_a_stage_and_its_descendants(first_run):
+    from flows.speedrun import speedrun
+
+    _, overrides, result = first_run
+    again = speedrun(preset="tiny", overrides=overrides, recompute=["sft"])
+    hits = [(s["stage"], s["cache_hit"]) for s in again["stages"]]
+    assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", False), ("eval", False),
+                    ("grpo", False), ("eval", False)]
+    assert [s["key"] for s in again["stages"]] == [s["key"] for s in result["stages"]]
+    # deterministic on CPU: the recomputed result is the same
+    assert again["headline"]["final_accuracy"] == result["headline"]["final_accuracy"]
+
+
 def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):
     from flows.cli import main
 
