@@ -54,6 +54,8 @@ def print_summary(result: dict, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from tasks.common import tracking_uri
+
     console = Console()
     table = Table(title="posttrain summary")
     for col in ("stage", "status", "wall s", "key metric"):
@@ -80,8 +82,7 @@ def print_summary(result: dict, seconds: float) -> None:
         console.print("against the best earlier nightly:")
         console.print(result["comparison"], markup=False, highlight=False)
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}")
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
-    console.print(f"open MLflow:  .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000")
+    console.print(f"open MLflow:  .venv/bin/mlflow ui --backend-store-uri {tracking_uri()} --port 5000")
     console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
     console.print("or both, with the deployments and a worker: make serve")
 
@@ -89,9 +90,10 @@ def print_summary(result: dict, seconds: float) -> None:
 def compare(args) -> int:
     from mlflow import MlflowClient
 
+    from tasks.common import tracking_uri
     from tasks.report import compare as compare_runs
 
-    client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    client = MlflowClient(tracking_uri=tracking_uri())
     try:
         print(compare_runs(client, args.experiment, args.run_id).text())
     except InputError as exc:

@@ -23,9 +23,6 @@ from trainer.config import load_config, preset_names
 from trainer.faults import POINTS
 
 STAGES = ("prepare_data", "tokenizer", "sft", "grpo", "eval")
-# A stage and everything computed from it: what `recompute` forces besides the stage itself.
-DOWNSTREAM = {"prepare_data": STAGES, "tokenizer": ("tokenizer", "sft", "grpo", "eval"),
-              "sft": ("sft", "grpo", "eval"), "grpo": ("grpo", "eval"), "eval": ("eval",)}
 
 # Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
 Preset = Union[Literal[tuple(preset_names())],
@@ -37,7 +34,8 @@ Fault = dict[Literal[POINTS], Annotated[int, Field(ge=1)]]
 
 
 def expand_recompute(stages: list[str]) -> frozenset[str]:
-    return frozenset(s for stage in stages for s in DOWNSTREAM[stage])
+    """A stage and every stage after it in STAGES (all computed from it)."""
+    return frozenset(s for stage in stages for s in STAGES[STAGES.index(stage):])
 
 
 def first_attempt() -> bool:
@@ -83,7 +81,6 @@ def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
 def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
     """Register the final policy, compare with earlier nightlies (nightly runs), publish artifacts."""
     report.register_policy(run, stages, model_stage)
-    comparison = None
     if nightly:
         comparison = report.compare(run.logger.client, run.cfg.tracking.experiment, run.ref.parent_run_id)
         text = run.comparison = comparison.text()
@@ -92,7 +89,7 @@ def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
         run.logger.log_metrics(comparison.deltas())
         if comparison.baseline is not None:
             run.logger.set_tags({"posttrain.compared_with": comparison.baseline.info.run_id})
-    report.publish(run, run.result(), stages.get("grpo"), comparison)
+    report.publish(run, run.result(), stages.get("grpo"))
 
 
 @flow(name="speedrun", log_prints=True)

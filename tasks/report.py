@@ -53,7 +53,7 @@ def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> b
     return buf.getvalue()
 
 
-def summary_markdown(result: dict[str, Any], png: bytes, comparison: "Comparison | None") -> str:
+def summary_markdown(result: dict[str, Any], png: bytes) -> str:
     head = result["headline"]
     lines = [f"# posttrain {result['flow_name']} ({result['preset']})", "",
              f"MLflow run `{result['mlflow_run_id']}`", ""]
@@ -67,8 +67,8 @@ def summary_markdown(result: dict[str, Any], png: bytes, comparison: "Comparison
     lines += [f"| {s['label']} | {'cache hit' if s['cache_hit'] else 'ran'} | {s['wall_seconds']:.1f} |"
               for s in result["stages"]]
     lines += ["", f"![reward and accuracy per round](data:image/png;base64,{base64.b64encode(png).decode()})"]
-    if comparison is not None:
-        lines += ["", "## Against the best earlier nightly", "", "```", comparison.text(), "```"]
+    if result.get("comparison"):
+        lines += ["", "## Against the best earlier nightly", "", "```", result["comparison"], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -84,25 +84,20 @@ def eval_table(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def publish(run, result: dict[str, Any], grpo: dict | None, comparison: "Comparison | None" = None) -> None:
+def publish(run, result: dict[str, Any], grpo: dict | None) -> None:
     """Prefect artifacts (markdown summary with the plot, eval table) and the plot in MLflow."""
+    from PIL import Image
+
     png = progress_png(grpo_history(grpo), result["headline"])
-    run.logger.client.log_image(run.ref.parent_run_id, _png_image(png), "plots/progress.png")
+    run.logger.client.log_image(run.ref.parent_run_id, Image.open(io.BytesIO(png)), "plots/progress.png")
     if run.ref.flow_run_id is None:
         return
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     key = _artifact_key(result["flow_name"])
-    create_markdown_artifact(summary_markdown(result, png, comparison), key=f"{key}-summary",
+    create_markdown_artifact(summary_markdown(result, png), key=f"{key}-summary",
                              description="posttrain summary: accuracy, stage times, reward/accuracy per round")
     create_table_artifact(eval_table(result["stages"]), key=f"{key}-eval", description="held-out evaluation")
-
-
-def _png_image(png: bytes):
-    import numpy as np
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
 def _artifact_key(name: str) -> str:

@@ -12,6 +12,7 @@ updated), `grpo_after_update` (round n updated, its checkpoint not yet written),
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -23,7 +24,8 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def parse(spec: str) -> list[tuple[str, int, str]]:
+@functools.cache  # checked on every training step: parse each spec once
+def parse(spec: str) -> tuple[tuple[str, int, str], ...]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         point, _, rest = item.partition("@")
@@ -32,7 +34,7 @@ def parse(spec: str) -> list[tuple[str, int, str]]:
         if point not in POINTS or not at.isdigit() or mode not in ("raise", "kill"):
             raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill] with POINT one of {POINTS}")
         out.append((point, int(at), mode))
-    return out
+    return tuple(out)
 
 
 def check(point: str, n: int, faults: dict[str, int] | None = None) -> None:
