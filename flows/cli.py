@@ -4,6 +4,7 @@
     posttrain sft --preset tiny --set sft.lr=1e-3 --set sft.max_steps=200
     posttrain speedrun --recompute sft                # ignore SFT's cached result (and what follows it)
     posttrain config --preset qwen2.5-0.5b-gsm8k      # print the resolved config
+    posttrain speedrun --preset qwen2.5-0.5b-gsm8k --dry-run   # check paths, print the launch plan
     posttrain compare                                 # latest nightly vs the best earlier nightly
 """
 
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--recompute", action="append", default=[], choices=STAGES, metavar="STAGE",
                             help=f"recompute STAGE and every stage after it despite the cache; one of {STAGES}")
             sp.add_argument("--json", dest="json_out", metavar="PATH", help="also write the run's result as JSON")
+            sp.add_argument("--dry-run", action="store_true",
+                            help="resolve the config, check its paths and print the launch plan; run nothing")
         if name == "speedrun":
             sp.add_argument("--nightly", action="store_true",
                             help="tag the run as a nightly and compare it with the best earlier nightly")
@@ -116,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    if args.dry_run:
+        from tasks.plan import dry_run
+
+        until = {"speedrun": "eval", "prepare-data": "prepare_data"}.get(args.command, args.command)
+        text, problems = dry_run(cfg, until)
+        print(text)
+        return 2 if problems else 0
     from flows.speedrun import FLOWS
 
     t0 = time.perf_counter()

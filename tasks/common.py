@@ -39,6 +39,13 @@ def code_version() -> str:
     return h.hexdigest()[:12]
 
 
+# The config sections in each stage's cache key (eval's label varies: "eval", "eval (grpo)").
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "prepare_data": ("data",), "tokenizer": ("tokenizer",), "sft": ("model", "tokenizer", "sft"),
+    "grpo": ("rollout", "grpo"), "eval": ("eval",),
+}
+
+
 def stage_key(cfg: RunConfig, stage: str, sections: tuple[str, ...], inputs: dict[str, dict | None]) -> str:
     payload = {
         "stage": stage,
@@ -151,14 +158,15 @@ def prefect_logger():
         return logging.getLogger("posttrain")
 
 
-def work_dir_for(folder: str) -> Path:
+def work_dir_for(folder: str, create: bool = True) -> Path:
     """Where a stage writes: its folder itself when local, a local scratch folder for s3://."""
     if not storage.is_remote(folder):
         path = Path(storage.fs_for(folder)[1])
     else:
         scratch = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
         path = scratch / hashlib.sha256(folder.encode()).hexdigest()[:16]
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -224,3 +232,19 @@ def run_stage(
 
 def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="posttrain-"))
+
+
+def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRef, logger: MlflowLogger,
+                 inputs: dict[str, Any]) -> dict[str, Any]:
+    """Run `stage`'s body on every rank under the DeepSpeed launcher (trainer.rank_main), supervised:
+    its output goes into this task's log; a crash, timeout or cancellation kills every rank."""
+    from trainer import launch
+
+    spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
+            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}}
+    path = launch.write_spec(work, spec)
+    plan = launch.plan(stage, ds_cfg, path)
+    log = prefect_logger()
+    log.info("%s", plan.describe())
+    logger.log_params({f"{stage}.launch.world_size": plan.world_size})
+    return launch.supervise(plan, work, on_line=lambda line: log.info("%s", line), timeout_s=ds_cfg.timeout_s)

@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import TrackingRef, run_stage
+from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 from trainer import storage
@@ -31,7 +31,7 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         logger.log_table(result.rows, "eval_results.json")
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": model["stage"]}
 
-    return run_stage(label, cfg, ("eval",), {"data": data, "model": model}, body, ref)
+    return run_stage(label, cfg, SECTIONS["eval"], {"data": data, "model": model}, body, ref)
 
 
 def paired_comparison(before: dict, after: dict) -> dict[str, float]:

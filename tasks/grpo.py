@@ -18,10 +18,25 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import prefect_logger
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
+from trainer import engine as ds
 from trainer.grpo import GRPOTrainer
 from trainer.model import load_model
 from trainer.rollout import RolloutBatch
 from trainer.tokenizer import load_tokenizer
+
+
+def launch_sglang(cfg, sft: dict):
+    """SGLang servers on the SFT policy (or connections to rollout.sglang.urls), healthy."""
+    from trainer.sglang import SGLangEngine
+
+    path = model_dir(sft)
+    return SGLangEngine.from_config(cfg.rollout.sglang, str(path), load_tokenizer(path))
+
+
+def with_sglang_urls(cfg, urls: list[str]):
+    """cfg whose ranks connect to already running servers instead of launching their own."""
+    sglang = cfg.rollout.sglang.model_copy(update={"urls": urls, "launch": False})
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"sglang": sglang})})
 
 
 def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
@@ -30,9 +45,7 @@ def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
     model = load_model(path, cfg.model.dtype)
     engine = None
     if cfg.rollout.engine == "sglang":
-        from trainer.sglang import SGLangEngine
-
-        engine = SGLangEngine.from_config(cfg.rollout.sglang, str(path), tok)
+        engine = launch_sglang(cfg, sft)
     trainer = GRPOTrainer(cfg, model, tok, load_split(data, "train"), load_split(data, "test"), work, logger, engine)
     if trainer.resumed_from is not None:
         prefect_logger().info("grpo: resuming from the checkpoint at round %d", trainer.resumed_from)
@@ -76,16 +89,19 @@ def save_checkpoint(trainer: GRPOTrainer, round_: int) -> None:
 
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     trainer.export(work / "model")
-    (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))
+    if ds.rank() == 0:  # the other ranks' history has no evals (rank 0 runs them)
+        (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))
     last = trainer.history[-1] if trainer.history else {}
     evals = [h for h in trainer.history if "eval/accuracy" in h]
     metrics = {"grpo/rounds": trainer.round, "grpo/seconds": trainer.elapsed(),
                "grpo/final_reward_mean": last.get("reward/mean", math.nan)}
     if evals:
         metrics["grpo/last_eval_accuracy"] = evals[-1]["eval/accuracy"]
+    metrics["grpo/world_size"] = ds.world_size()
     logger.log_metrics(metrics)
-    logger.log_artifact(work / "history.jsonl")
-    logger.log_artifact(work / "model", "model")
+    if ds.rank() == 0:
+        logger.log_artifact(work / "history.jsonl")
+        logger.log_artifact(work / "model", "model")
     trainer.engine.close()
     return {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
             "resumed_from_round": trainer.resumed_from}

@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import TrackingRef, run_stage
+from tasks.common import SECTIONS, TrackingRef, run_stage
 from trainer import data as D
 from trainer import storage
 from trainer.config import RunConfig
@@ -34,7 +34,7 @@ def prepare_data(cfg: RunConfig, ref: TrackingRef) -> dict:
                           for ex in prepared.train[:20]], "data_samples.json")
         return {"metrics": metrics, "files": files}
 
-    return run_stage("prepare_data", cfg, ("data",), {}, body, ref)
+    return run_stage("prepare_data", cfg, SECTIONS["prepare_data"], {}, body, ref)
 
 
 def load_split(manifest: dict, split: str) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import TrackingRef, run_stage
+from tasks.common import SECTIONS, TrackingRef, run_launched, run_stage
 from tasks.prepare_data import load_split
 from tasks.tokenizer import tokenizer_dir
 from trainer import engine as ds
@@ -21,25 +21,36 @@ from trainer.sft import train_sft
 from trainer.tokenizer import load_tokenizer
 
 
+def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger,
+                     fault_at_step: int | None = None) -> dict:
+    """The SFT stage's work on one rank: in this process, or on each rank under the launcher."""
+    tok_path = tokenizer_dir(tokenizer) if tokenizer else resolve_pretrained(cfg.model.pretrained)
+    tok = load_tokenizer(tok_path)
+    model = build_model(cfg.model, tok, cfg.seed)
+    logger.log_params({"model.n_params": count_params(model)})
+    engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
+    if result.resumed_from_step is not None:
+        logger.set_tags({"resumed_from_step": result.resumed_from_step})
+    ds.export_model(engine, tok, work / "model")
+    metrics = {"sft/final_loss": result.final_loss, "sft/tokens_per_second": result.tokens_per_second,
+               "sft/train_seconds": result.train_seconds, "sft/steps": result.steps,
+               "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(engine.module),
+               "sft/world_size": ds.world_size()}
+    logger.log_metrics(metrics)
+    if ds.rank() == 0:
+        logger.log_artifact(work / "model", "model")
+    return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
+
+
 @task(name="sft", cache_policy=NO_CACHE)
 def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_step: int | None = None) -> dict:
     def body(work: Path, logger) -> dict:
-        tok_path = tokenizer_dir(tokenizer) if tokenizer else resolve_pretrained(cfg.model.pretrained)
-        tok = load_tokenizer(tok_path)
-        model = build_model(cfg.model, tok, cfg.seed)
-        logger.log_params({"model.n_params": count_params(model)})
-        engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
-        if result.resumed_from_step is not None:
-            logger.set_tags({"resumed_from_step": result.resumed_from_step})
-        ds.export_model(engine, tok, work / "model")
-        metrics = {"sft/final_loss": result.final_loss, "sft/tokens_per_second": result.tokens_per_second,
-                   "sft/train_seconds": result.train_seconds, "sft/steps": result.steps,
-                   "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(engine.module)}
-        logger.log_metrics(metrics)
-        logger.log_artifact(work / "model", "model")
-        return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
+        if cfg.sft.deepspeed.launched:
+            return run_launched("sft", cfg, cfg.sft.deepspeed, work, ref, logger,
+                                {"data": data, "tokenizer": tokenizer, "fault": fault_at_step})
+        return train_and_export(cfg, data, tokenizer, work, logger, fault_at_step)
 
-    return run_stage("sft", cfg, ("model", "tokenizer", "sft"), {"data": data, "tokenizer": tokenizer}, body, ref)
+    return run_stage("sft", cfg, SECTIONS["sft"], {"data": data, "tokenizer": tokenizer}, body, ref)
 
 
 def model_dir(manifest: dict) -> Path:

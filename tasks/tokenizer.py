@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import TrackingRef, run_stage
+from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from trainer import storage
 from trainer.tokenizer import train_tokenizer as train_bpe
@@ -29,7 +29,7 @@ def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
         logger.log_metrics(metrics)
         return {"metrics": metrics, "tokenizer_subdir": "tokenizer"}
 
-    return run_stage("tokenizer", cfg, ("tokenizer",), {"data": data}, body, ref)
+    return run_stage("tokenizer", cfg, SECTIONS["tokenizer"], {"data": data}, body, ref)
 
 
 def tokenizer_dir(manifest: dict) -> Path:

@@ -110,17 +110,32 @@ class ModelConfig(Strict):
 
 
 class DeepSpeedConfig(Strict):
+    """How a training stage runs: in this process (one rank), or under the DeepSpeed launcher."""
+
     zero_stage: Literal[0, 1, 2, 3] = 1
     precision: Literal["fp32", "bf16"] = "fp32"
-    world_size: int = Field(1, ge=1, description="ranks for the DeepSpeed launcher")
+    ranks_per_node: int = Field(
+        1, ge=1, description="ranks per machine (the launcher's --num_gpus); above 1 the stage runs under "
+        "the DeepSpeed launcher, one process per rank")
+    nodes: int = Field(1, ge=1, description="machines; above 1 needs hostfile (the launcher's --num_nodes)")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' per line) for several nodes")
+    master_port: int | None = Field(None, ge=1024, le=65535, description="rendezvous port; unset picks a free one")
+    timeout_s: float | None = Field(
+        None, gt=0, description="kill the launched ranks and fail the task after this many seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def launched(self) -> bool:
+        """True when the stage runs under the DeepSpeed launcher rather than in this process."""
+        return self.world_size > 1 or self.hostfile is not None
 
     @model_validator(mode="after")
-    def _single_rank(self) -> "DeepSpeedConfig":
-        if self.world_size != 1:
-            raise ValueError(
-                f"world_size={self.world_size}: launching several DeepSpeed ranks from the pipeline is "
-                "not supported yet; set world_size=1"
-            )
+    def _nodes(self) -> "DeepSpeedConfig":
+        if self.nodes > 1 and not self.hostfile:
+            raise ValueError(f"nodes={self.nodes} needs hostfile (a DeepSpeed hostfile listing the machines)")
         return self
 
 
@@ -154,6 +169,8 @@ class SGLangConfig(Strict):
     num_servers: int = Field(1, ge=1)
     base_port: int = Field(30000, ge=1024, le=65535)
     gpus_per_server: int = Field(1, ge=1)
+    first_gpu: int = Field(0, ge=0, description="server i uses GPUs first_gpu + i*gpus_per_server onwards; put "
+                           "them after the training ranks' GPUs (0..ranks_per_node-1) on a shared machine")
     mem_fraction_static: float = Field(0.5, gt=0, le=1)
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -253,6 +270,13 @@ class RunConfig(Strict):
             raise ValueError(
                 f"grpo.mini_batches={self.grpo.mini_batches} does not divide the round's "
                 f"{rb} samples (rollout.prompts_per_round x n_samples_per_prompt); pick a divisor"
+            )
+        gds = self.grpo.deepspeed
+        if self.grpo.enabled and gds.launched and gds.zero_stage == 3 and self.rollout.engine == "hf":
+            raise ValueError(
+                "grpo.deepspeed.zero_stage=3 with several ranks and rollout.engine=hf: the in-process "
+                "engine generates from each rank's own copy of the weights, which ZeRO-3 partitions; "
+                "use zero_stage 1 or 2, or rollout.engine=sglang"
             )
         return self
 

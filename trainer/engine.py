@@ -102,3 +102,44 @@ def state_dict_hash(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------- collectives (no-ops on one rank)
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any: ranks must agree on when to stop a loop."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def sum_across_ranks(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if world_size() > 1:
+        dist.barrier()

@@ -4,6 +4,7 @@ Two ways in:
 - a flow's `fault` parameter, e.g. {"sft": 7}: raises after SFT step 7 (a failed task and flow run);
 - the environment, POSTTRAIN_FAULT="sft@7:kill" (comma-separated): `kill` sends this process
   SIGKILL at that point, like an OOM kill or a pre-empted machine; `raise` (the default) raises.
+  Under the DeepSpeed launcher every rank checks; "sft@7:kill:1" fires on rank 1 only.
 
 Points: `sft` (after optimizer step n), `grpo_mid_round` (round n rolled out and scored, not yet
 updated), `grpo_after_update` (round n updated, its checkpoint not yet written), `grpo_round`
@@ -25,22 +26,26 @@ class InjectedFault(RuntimeError):
 
 
 @functools.cache  # checked on every training step: parse each spec once
-def parse(spec: str) -> tuple[tuple[str, int, str], ...]:
+def parse(spec: str) -> tuple[tuple[str, int, str, int | None], ...]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         point, _, rest = item.partition("@")
-        at, _, mode = rest.partition(":")
+        at, _, rest = rest.partition(":")
+        mode, _, on_rank = rest.partition(":")
         mode = mode or "raise"
-        if point not in POINTS or not at.isdigit() or mode not in ("raise", "kill"):
-            raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill] with POINT one of {POINTS}")
-        out.append((point, int(at), mode))
+        if (point not in POINTS or not at.isdigit() or mode not in ("raise", "kill")
+                or (on_rank and not on_rank.isdigit())):
+            raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill[:RANK]] with POINT one of {POINTS}")
+        out.append((point, int(at), mode, int(on_rank) if on_rank else None))
     return tuple(out)
 
 
 def check(point: str, n: int, faults: dict[str, int] | None = None) -> None:
     """Fail here if a fault is set for (point, n)."""
-    for p, at, mode in parse(os.environ.get(ENV, "")):
-        if p == point and at == n:
+    from trainer.engine import rank
+
+    for p, at, mode, on_rank in parse(os.environ.get(ENV, "")):
+        if p == point and at == n and on_rank in (None, rank()):
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedFault(f"injected fault at {point} {n} ({ENV})")

@@ -173,7 +173,8 @@ class GRPOTrainer:
         g = self.cfg.grpo
         if self.round >= g.rounds:
             return True
-        return g.max_seconds is not None and self.elapsed() >= g.max_seconds
+        # ranks must agree: the time budget counts as spent once any rank's clock says so
+        return g.max_seconds is not None and ds.any_rank(self.elapsed() >= g.max_seconds)
 
     def elapsed(self) -> float:
         return self.seconds_before_resume + time.perf_counter() - self.started
@@ -234,7 +235,7 @@ class GRPOTrainer:
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio": 0.0}
         steps, tokens = 0, 0.0
         grad_norms = []
-        world = ds.world_size()
+        rank, world = ds.rank(), ds.world_size()
         for _ in range(g.epochs):
             order = torch.randperm(n, generator=gen).tolist()
             size = math.ceil(n / g.mini_batches)
@@ -242,14 +243,22 @@ class GRPOTrainer:
                 idx = order[m * size : (m + 1) * size]
                 if not idx:
                     continue
-                micro = [idx[i : i + mb] for i in range(0, len(idx), mb)]
-                self.ds.set_train_batch_size(mb * len(micro) * world)
+                # Every rank holds the whole batch and takes a contiguous share of each mini-batch; all
+                # take the same number of micro-batches (an empty one is a zero-weight pass) so that
+                # DeepSpeed's gradient all-reduce meets at the same step.
+                share = math.ceil(len(idx) / world)
+                mine = idx[rank * share : (rank + 1) * share]
+                n_micro = max(1, math.ceil(share / mb))
+                micro = [mine[i * mb : (i + 1) * mb] for i in range(n_micro)]
+                self.ds.set_train_batch_size(mb * n_micro * world)
                 sel = torch.tensor(idx)
                 if g.loss_agg == "token-mean":
                     norm = float(mask[sel].sum().clamp(min=1))
                 else:
                     norm = float(len(idx))
                 for part_idx in micro:
+                    weight = 1.0 if part_idx else 0.0
+                    part_idx = part_idx or idx[:1]
                     part = _slice(packed, part_idx)
                     sel_p = torch.tensor(part_idx)
                     w = part.mask.shape[1]
@@ -261,22 +270,26 @@ class GRPOTrainer:
                     if logp_ref is not None:
                         kl = kl_estimate(lp, logp_ref[sel_p, :w], g.kl_estimator)
                         per_tok = per_tok + g.kl_coef * kl
-                        sums["kl"] += float((kl.detach() * part.mask).sum())
+                        sums["kl"] += weight * float((kl.detach() * part.mask).sum())
                     if ent is not None:
                         per_tok = per_tok - g.entropy_coef * ent
-                        sums["entropy"] += float((ent.detach() * part.mask).sum())
-                    loss = aggregate(per_tok, part.mask, g.loss_agg, normaliser=norm)
-                    # DeepSpeed divides by its accumulation steps; we normalised by the mini-batch.
-                    self.ds.backward(loss * len(micro))
+                        sums["entropy"] += weight * float((ent.detach() * part.mask).sum())
+                    loss = aggregate(per_tok, part.mask, g.loss_agg, normaliser=norm) * weight
+                    # DeepSpeed divides by its accumulation steps and averages over ranks; we
+                    # normalised by the whole mini-batch.
+                    self.ds.backward(loss * n_micro * world)
                     self.ds.step()
                     sums["loss"] += float(loss.detach())
-                    sums["pg_loss"] += float((pg.detach() * part.mask).sum())
-                    sums["clip_frac"] += float((clipped.float() * part.mask).sum())
-                    sums["ratio"] += float((torch.exp(lp.detach() - logp_old[sel_p, :w]) * part.mask).sum())
-                    tokens += float(part.mask.sum())
+                    sums["pg_loss"] += weight * float((pg.detach() * part.mask).sum())
+                    sums["clip_frac"] += weight * float((clipped.float() * part.mask).sum())
+                    sums["ratio"] += weight * float((torch.exp(lp.detach() - logp_old[sel_p, :w]) * part.mask).sum())
+                    tokens += weight * float(part.mask.sum())
                 gn = self.ds.get_global_grad_norm()
                 grad_norms.append(float(gn) if gn is not None else float("nan"))
                 steps += 1
+        keys = list(sums)
+        *totals, tokens = ds.sum_across_ranks([sums[k] for k in keys] + [tokens])
+        sums = dict(zip(keys, totals))
         t = max(tokens, 1.0)
         stats.update({
             "update/loss": sums["loss"] / max(steps, 1), "update/pg_loss": sums["pg_loss"] / t,
@@ -298,7 +311,10 @@ class GRPOTrainer:
         if not isinstance(self.engine, HFEngine):
             model_dir = self.work_dir / "sync"
             ds.export_model(self.ds, self.tok, model_dir)
-        self.engine.update_weights(str(model_dir) if model_dir else None)
+            # the ranks share the servers: rank 0 reloads them once, the others wait for it
+            if ds.rank() == 0:
+                self.engine.update_weights(str(model_dir))
+            ds.barrier()
         seconds = time.perf_counter() - t0
         stats = getattr(self, "_pending", {})
         stats["time/sync_seconds"] = seconds
@@ -311,6 +327,9 @@ class GRPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy and pass@k on the first grpo.eval_examples held-out problems."""
         g = self.cfg.grpo
+        if ds.rank() != 0:  # rank 0 evaluates (the weights are the same everywhere); the rest wait
+            ds.barrier()
+            return {}
         t0 = time.perf_counter()
         examples = self.test[: g.eval_examples]
         ecfg = self.cfg.eval.model_copy(update={"max_examples": None})
@@ -330,6 +349,7 @@ class GRPOTrainer:
         self.logger.log_metrics(metrics, step=self.round)
         if self.history:
             self.history[-1].update(metrics)
+        ds.barrier()
         return metrics
 
     def sample_table(self, batch: RolloutBatch, k: int = 16) -> list[dict[str, Any]]:

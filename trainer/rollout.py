@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer import engine as ds
 from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
@@ -25,6 +26,7 @@ from trainer.rewards import RewardError, RewardMix
 
 
 MAX_CARRY_AGE = 1  # rounds a surplus group may wait before it is dropped
+CHUNK_SEED_STRIDE = 10_000_019  # seed offset between a round's generation chunks
 
 
 @dataclass
@@ -91,6 +93,7 @@ class RolloutBatch:
     round: int
     groups: list[Group]
     stats: dict[str, float] = field(default_factory=dict)
+    chunks: list[int] = field(default_factory=list)  # each group's generation chunk (see generate)
 
     @property
     def samples(self) -> list[Sample]:
@@ -170,21 +173,42 @@ class RolloutManager:
                                           "prompt is longer; raise it")
                 else:
                     indices.append(i)
-        prompts = [self._prompt(i) for i in indices for _ in range(cfg.n_samples_per_prompt)]
-        params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p, seed=self.seed * 100_003 + round_)
-        gens = self.engine.generate(prompts, params) if prompts else []
-        groups = []
-        for g_i, ex_i in enumerate(indices):
-            chunk = gens[g_i * cfg.n_samples_per_prompt : (g_i + 1) * cfg.n_samples_per_prompt]
-            groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason)
-                                       for g in chunk], round_))
+        # Groups are generated in chunks of up to rollout.batch_size sequences, each with its own seed,
+        # and the ranks share the chunks out (chunk c on rank c % world): the samples do not depend on
+        # how many ranks there are. `score` gathers every rank's groups back in chunk order.
+        n = cfg.n_samples_per_prompt
+        per_chunk = max(1, cfg.batch_size // n)
+        chunks = [indices[i : i + per_chunk] for i in range(0, len(indices), per_chunk)]
+        groups, chunk_of, n_tokens = [], [], 0
+        for c in range(ds.rank(), len(chunks), ds.world_size()):
+            prompts = [self._prompt(i) for i in chunks[c] for _ in range(n)]
+            params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p,
+                                    seed=self.seed * 100_003 + round_ + CHUNK_SEED_STRIDE * c)
+            gens = self.engine.generate(prompts, params)
+            n_tokens += sum(len(g.token_ids) for g in gens)
+            for g_i, ex_i in enumerate(chunks[c]):
+                chunk = gens[g_i * n : (g_i + 1) * n]
+                groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason)
+                                           for g in chunk], round_))
+                chunk_of.append(c)
         seconds = time.perf_counter() - t0
-        n_tokens = sum(len(g.token_ids) for g in gens)
         return RolloutBatch(round_, groups, {
             "rollout/prompts_skipped_too_long": too_long, "rollout/generated_groups": len(groups),
-            "rollout/generated_tokens": n_tokens, "rollout/tokens_per_second": n_tokens / max(seconds, 1e-9),
-            "time/generate_seconds": seconds,
-        })
+            "rollout/generated_tokens": n_tokens, "time/generate_seconds": seconds,
+        }, chunk_of)
+
+    def _gather(self, batch: RolloutBatch, bad: int) -> tuple[list[Group], int]:
+        """Every rank's scored groups, in chunk order (the one-rank order); sums the per-rank counts."""
+        parts = ds.gather_objects((batch.chunks, batch.groups, batch.stats, bad))
+        if len(parts) == 1:
+            return batch.groups, bad
+        ordered = sorted((c, r, k, g) for r, (chunks, groups, _, _) in enumerate(parts)
+                         for k, (c, g) in enumerate(zip(chunks, groups)))
+        stats = [p[2] for p in parts]
+        batch.stats["rollout/generated_groups"] = sum(s["rollout/generated_groups"] for s in stats)
+        batch.stats["rollout/generated_tokens"] = sum(s["rollout/generated_tokens"] for s in stats)
+        batch.stats["time/generate_seconds"] = max(s["time/generate_seconds"] for s in stats)
+        return [g for *_, g in ordered], sum(p[3] for p in parts)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Rewards, the filter, and carry-over: returns the round's training batch."""
@@ -204,8 +228,9 @@ class RolloutManager:
                 s.reward = float("nan")
             else:
                 s.reward = total
+        scored, bad = self._gather(batch, bad)
         groups = []
-        for g in batch.groups:
+        for g in scored:
             g.samples = [s for s in g.samples if math.isfinite(s.reward)]
             if g.samples:
                 groups.append(g)
@@ -223,6 +248,7 @@ class RolloutManager:
         samples_used = [s for g in use for s in g.samples]
         lengths = [len(s.response_ids) for s in samples_used] or [0]
         stats = dict(batch.stats)
+        stats["rollout/tokens_per_second"] = stats["rollout/generated_tokens"] / max(stats["time/generate_seconds"], 1e-9)
         stats.update({
             "reward/mean": statistics.fmean(all_rewards) if all_rewards else 0.0,
             "reward/std": statistics.pstdev(all_rewards) if len(all_rewards) > 1 else 0.0,

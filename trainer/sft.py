@@ -126,7 +126,7 @@ def train_sft(
     engine.train()
     with progress_bar("sft", total=total, completed=step, enabled=rank == 0) as bar:
         while step < total:
-            if s.max_seconds is not None and time.perf_counter() - t0 > s.max_seconds:
+            if s.max_seconds is not None and ds.any_rank(time.perf_counter() - t0 > s.max_seconds):
                 log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
                 break
             losses = []
@@ -145,7 +145,8 @@ def train_sft(
                 losses.append(loss.item())
                 tok_t0 += int(batch["attention_mask"].sum()) * world
             step += 1
-            loss_value = sum(losses) / len(losses)
+            # the global batch's loss: each rank's micro-batch means, averaged over ranks
+            loss_value = ds.sum_across_ranks([sum(losses) / len(losses)])[0] / world
             bar.update(1, loss=loss_value)
             if step % s.log_every == 0 or step == total:
                 elapsed = time.perf_counter() - t0

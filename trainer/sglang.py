@@ -55,6 +55,12 @@ class _Server:
                               f"output:\n{tail}")
 
 
+def server_gpus(cfg: SGLangConfig, i: int) -> str:
+    """CUDA_VISIBLE_DEVICES of launched server i."""
+    first = cfg.first_gpu + i * cfg.gpus_per_server
+    return ",".join(str(first + g) for g in range(cfg.gpus_per_server))
+
+
 def launch_command(cfg: SGLangConfig, model_path: str, port: int) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
             "--port", str(port), "--tp", str(cfg.gpus_per_server),
@@ -77,8 +83,7 @@ class SGLangEngine:
             for i in range(cfg.num_servers):
                 port = cfg.base_port + i
                 env = dict(os.environ)
-                first = i * cfg.gpus_per_server
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + g) for g in range(cfg.gpus_per_server))
+                env["CUDA_VISIBLE_DEVICES"] = server_gpus(cfg, i)
                 cmd = launch_command(cfg, model_path, port)
                 log.info("launching SGLang: %s", " ".join(cmd))
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

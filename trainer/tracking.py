@@ -14,6 +14,7 @@ class MetricLogger(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None: ...
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
 
 
 class NullLogger:
@@ -29,6 +30,9 @@ class NullLogger:
         pass
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
         pass
 
 

@@ -1,0 +1,140 @@
+"""`posttrain ... --dry-run`: resolve the config, check its paths, print the launch plan.
+
+Nothing runs and nothing is written: the stage folders (their cache keys are computed exactly as
+the run would), whether each is already cached, how SFT and GRPO run (in process, or the
+DeepSpeed launcher's command line and ranks), and the SGLang server commands with their GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+from pathlib import Path
+
+from tasks.common import SECTIONS, stage_key, work_dir_for
+from trainer import launch, storage
+from trainer.config import DeepSpeedConfig, RunConfig
+
+
+def _check_path(field: str, ref: str | None, problems: list[str], notes: list[str], model: bool = False) -> None:
+    if not ref:
+        return
+    if storage.is_remote(ref):
+        target = storage.join(ref, "config.json") if model else ref
+        try:
+            ok = storage.exists(target)
+        except Exception as exc:  # credentials, endpoint, network: report, do not crash the plan
+            problems.append(f"{field}: cannot reach {ref!r} ({type(exc).__name__}: {exc}); check the "
+                            "AWS_* settings (endpoint, credentials)")
+            return
+        if not ok:
+            problems.append(f"{field}: {target!r} does not exist; check the URI")
+        else:
+            notes.append(f"{field}: {ref} (found)")
+        return
+    path = Path(ref).expanduser()
+    if model and not ref.startswith((".", "/", "~")) and not path.exists():
+        notes.append(f"{field}: {ref} is a hub name: it loads only where this machine can reach the hub "
+                     "(offline, point it at a local folder or s3:// URI)")
+        return
+    if model and not (path / "config.json").is_file():
+        problems.append(f"{field}: {ref!r} is not a model folder (no config.json); point it at a save_pretrained folder")
+    elif not model and not path.is_file():
+        problems.append(f"{field}: {ref!r} does not exist (relative paths are from {Path.cwd()}); fix the path")
+    else:
+        notes.append(f"{field}: {path.resolve()} (found)")
+
+
+def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
+    head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
+    if not ds.launched:
+        return [f"  runs in the task's process: 1 rank, {head}"]
+    spec = work_dir_for(folder, create=False) / launch.SPEC
+    plan = launch.plan(stage, ds, spec, port=ds.master_port or 29500)
+    port_note = "" if ds.master_port else " (port: a free one is picked at launch)"
+    return [f"  DeepSpeed launcher: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
+            f"{port_note}", f"  $ {shlex.join(plan.command)}"]
+
+
+def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
+    """(the plan as text, the problems found). A run is safe to start when there are no problems."""
+    from trainer.sglang import launch_command, server_gpus
+
+    problems: list[str] = []
+    notes: list[str] = []
+    d = cfg.data
+    if d.source == "files":
+        _check_path("data.train", d.train, problems, notes)
+        _check_path("data.test", d.test, problems, notes)
+    elif d.source == "hub":
+        notes.append(f"data: hub dataset {d.hub_name} (needs hub access, or a local datasets cache)")
+    _check_path("model.pretrained", cfg.model.pretrained, problems, notes, model=True)
+    for section in ("sft", "grpo"):
+        hostfile = getattr(cfg, section).deepspeed.hostfile
+        if hostfile and not Path(hostfile).is_file():
+            problems.append(f"{section}.deepspeed.hostfile: {hostfile!r} does not exist; write a DeepSpeed hostfile")
+
+    lines = [f"preset {cfg.name}: artifacts under {cfg.artifact_root}", ""]
+    manifests: dict[str, dict | None] = {}
+
+    def stage(name: str, inputs: dict[str, dict | None]) -> str:
+        key = stage_key(cfg, name, SECTIONS[name], inputs)
+        folder = storage.join(cfg.artifact_root, name, key)
+        try:
+            cached = storage.read_manifest(folder) is not None
+        except Exception:  # an unreachable S3 root was reported above
+            cached = False
+        manifests[name] = {"key": key}
+        lines.append(f"{name:<13} {folder}  ({'cached' if cached else 'will run'})")
+        return folder
+
+    stage("prepare_data", {})
+    tok_inputs = None
+    if cfg.tokenizer.train:
+        stage("tokenizer", {"data": manifests["prepare_data"]})
+        tok_inputs = manifests["tokenizer"]
+    if until not in ("prepare_data", "tokenizer"):
+        folder = stage("sft", {"data": manifests["prepare_data"], "tokenizer": tok_inputs})
+        lines += _how("sft", cfg.sft.deepspeed, folder)
+    if until in ("grpo", "eval") and cfg.grpo.enabled:
+        folder = stage("grpo", {"data": manifests["prepare_data"], "sft": manifests["sft"]})
+        lines += _how("grpo", cfg.grpo.deepspeed, folder)
+        r = cfg.rollout
+        if r.engine == "hf":
+            lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
+        elif r.sglang.urls:
+            lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (round-robin)")
+        else:
+            model_path = str(work_dir_for(storage.join(cfg.artifact_root, "sft", manifests["sft"]["key"]),
+                                          create=False) / "model")
+            lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
+                         f"{r.sglang.gpus_per_server} GPU(s) each:")
+            for i in range(r.sglang.num_servers):
+                cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i)
+                lines.append(f"  $ CUDA_VISIBLE_DEVICES={server_gpus(r.sglang, i)} {shlex.join(cmd)}")
+            if importlib.util.find_spec("sglang") is None:
+                notes.append("sglang is not installed here: install the GPU extra (pip install '.[gpu]') on the "
+                             "machine that runs grpo")
+            train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
+            server_set = {int(g) for i in range(r.sglang.num_servers) for g in server_gpus(r.sglang, i).split(",")}
+            if train_gpus & server_set:
+                notes.append(f"GPUs {sorted(train_gpus & server_set)} are shared by training ranks and SGLang servers: "
+                             "fine on one GPU (mem_fraction_static leaves room), otherwise set "
+                             "rollout.sglang.first_gpu past the training ranks")
+    if until == "eval":
+        lines.append(f"{'eval':<13} after sft and after grpo: greedy accuracy on the held-out split")
+    try:
+        import torch
+
+        if (cfg.model.dtype == "bfloat16" or "bf16" in (cfg.sft.deepspeed.precision, cfg.grpo.deepspeed.precision)) \
+                and not torch.cuda.is_available():
+            notes.append("bf16 training and SGLang want a GPU; this machine has none (the plan is still valid)")
+    except ImportError:
+        pass
+    lines.append("")
+    lines += [f"note: {n}" for n in notes]
+    lines += [f"PROBLEM: {p}" for p in problems]
+    lines.append("dry run: nothing was started or written" + ("" if not problems else
+                 f"; {len(problems)} problem(s) to fix before a real run"))
+    return "\n".join(lines), problems
+

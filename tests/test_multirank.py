@@ -1,0 +1,206 @@
+"""DeepSpeed across ranks, for real: 2 CPU ranks over gloo under the DeepSpeed launcher, started
+and supervised by the stage's Prefect task.
+
+- SFT and GRPO losses over the first steps match the one-rank run with the same global batch
+  (SFT: 1 rank x 2 micro-batches of 8 vs 2 ranks x 1 of 8; GRPO: the same rollouts, shared
+  out and gathered, and the same mini-batches split over the ranks);
+- killing one rank fails the task cleanly (a clear error naming the rank, every process gone,
+  well inside the stage's timeout), and a re-run resumes in 2 ranks from the checkpoint the 2
+  ranks wrote, ending with exactly the weights of an uninterrupted 2-rank run;
+- the supervisor kills a launch that overruns its timeout, children included.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_pipeline import SMALL
+
+pytestmark = pytest.mark.slow
+
+BASE = [o for o in SMALL if not o.startswith(("sft.micro_batch_size=", "grpo.micro_batch_size="))] + [
+    "sft.micro_batch_size=8", "grpo.micro_batch_size=4", "grpo.mini_batches=2",
+    # 6 groups a round in chunks of 2 groups (8 sequences): 3 generate calls shared by the ranks
+    "rollout.over_sample=1.5", "rollout.batch_size=8", "grpo.checkpoint_every=2",
+    "sft.deepspeed.timeout_s=300", "grpo.deepspeed.timeout_s=300",
+    # a 12-step SFT solves nothing yet: a dense reward gives every group a learning signal
+    "grpo.rewards=[{name: tests.test_multirank.digit_share}]",
+]
+ONE_RANK_SFT = ["sft.grad_accum=2"]
+TWO_RANK_SFT = ["sft.grad_accum=1", "sft.deepspeed.ranks_per_node=2"]
+TWO_RANK_GRPO = ["grpo.deepspeed.ranks_per_node=2"]
+# Stated tolerances: fp32 sums reordered by the all-reduce (SFT), identical rollouts (GRPO).
+SFT_LOSS_ATOL = 1e-4
+GRPO_LOSS_ATOL = 1e-5
+
+
+def digit_share(response: str, example: dict) -> float:
+    """A dense reward for the parity runs: the share of digits in the response."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def stage(result: dict, name: str) -> dict:
+    return next(s for s in result["stages"] if s["stage"] == name)
+
+
+def manifest(result: dict, name: str) -> dict:
+    return json.loads((Path(stage(result, name)["uri"]) / "manifest.json").read_text())
+
+
+def sft_losses(result: dict) -> list[float]:
+    from mlflow import MlflowClient
+
+    run_id = manifest(result, "sft")["mlflow_run_id"]
+    history = MlflowClient().get_metric_history(run_id, "train/loss")
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def grpo_history(result: dict) -> list[dict]:
+    path = Path(stage(result, "grpo")["uri"]) / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(flow, root: Path, extra: list[str]) -> dict:
+    return flow(preset="tiny", overrides=BASE + [f"artifact_root={root}"] + extra)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("multirank")
+
+
+@pytest.fixture(scope="module")
+def one_rank(root):
+    from flows.speedrun import grpo_flow
+
+    return run(grpo_flow, root, ONE_RANK_SFT)
+
+
+@pytest.fixture(scope="module")
+def two_rank_sft(root):
+    from flows.speedrun import sft_flow
+
+    return run(sft_flow, root, TWO_RANK_SFT)
+
+
+@pytest.fixture(scope="module")
+def two_rank_grpo(root, one_rank):
+    """GRPO on 2 ranks from the one-rank run's SFT checkpoint (a cache hit): same starting weights."""
+    from flows.speedrun import grpo_flow
+
+    return run(grpo_flow, root, ONE_RANK_SFT + TWO_RANK_GRPO)
+
+
+def test_sft_two_ranks_match_one_rank(one_rank, two_rank_sft):
+    one, two = sft_losses(one_rank), sft_losses(two_rank_sft)
+    print("\nSFT train/loss  step  1 rank  2 ranks  |diff|")
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        print(f"  {step:>2}  {a:.6f}  {b:.6f}  {abs(a - b):.1e}")
+    assert len(one) == len(two) == 12
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert math.isclose(a, b, abs_tol=SFT_LOSS_ATOL), f"step {step}: 1 rank {a} vs 2 ranks {b}"
+    assert stage(two_rank_sft, "sft")["metrics"]["sft/world_size"] == 2
+    assert stage(one_rank, "sft")["metrics"]["sft/world_size"] == 1
+
+
+def test_grpo_two_ranks_match_one_rank(one_rank, two_rank_grpo):
+    assert stage(two_rank_grpo, "sft")["cache_hit"]  # both GRPO runs start from the same weights
+    assert stage(two_rank_grpo, "grpo")["metrics"]["grpo/world_size"] == 2
+    one, two = grpo_history(one_rank), grpo_history(two_rank_grpo)
+    assert [h["round"] for h in one] == [h["round"] for h in two] == [1, 2, 3, 4]
+    print("\nGRPO update/loss  round  1 rank  2 ranks  |diff|  reward/mean")
+    for a, b in zip(one, two):
+        print(f"  {a['round']:.0f}  {a['update/loss']:+.7f}  {b['update/loss']:+.7f}  "
+              f"{abs(a['update/loss'] - b['update/loss']):.1e}  {a['reward/mean']:.3f} / {b['reward/mean']:.3f}")
+    for a, b in zip(one, two):
+        # the same rollouts: gathered from both ranks in the one-rank order
+        for key in ("reward/mean", "reward/std", "rollout/generated_tokens", "rollout/groups_used",
+                    "update/samples", "update/optimizer_steps"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])
+        assert a["update/loss"] != 0.0 and a["reward/std"] > 0  # a real update, not an empty one
+        for key in ("update/loss", "update/pg_loss", "update/clip_frac", "update/ratio_mean"):
+            assert math.isclose(a[key], b[key], abs_tol=GRPO_LOSS_ATOL), (a["round"], key, a[key], b[key])
+    # rank 0 ran the periodic evals of the 2-rank run
+    assert [h["round"] for h in two if "eval/accuracy" in h] == [2, 4]
+
+
+def _no_rank_left(spec_marker: str) -> list[psutil.Process]:
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(spec_marker in part for part in (p.info["cmdline"] or [])):
+                left.append(p)
+        except psutil.Error:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("stage_name, fault, resumed_key, resumed_at, extra", [
+    ("sft", "sft@7:kill:1", "resumed_from_step", 5, TWO_RANK_SFT),
+    ("grpo", "grpo_after_update@3:kill:1", "resumed_from_round", 2, ONE_RANK_SFT + TWO_RANK_GRPO),
+])
+def test_killing_one_rank_fails_cleanly_then_resumes(tmp_path, root, two_rank_sft, two_rank_grpo, monkeypatch,
+                                                     stage_name, fault, resumed_key, resumed_at, extra):
+    from flows.speedrun import grpo_flow, sft_flow
+
+    flow = sft_flow if stage_name == "sft" else grpo_flow
+    reference = two_rank_sft if stage_name == "sft" else two_rank_grpo
+    monkeypatch.setenv("POSTTRAIN_FAULT", fault)
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as failure:
+        run(flow, tmp_path, extra)
+    seconds = time.perf_counter() - t0
+    message = str(failure.value)
+    assert "local rank 1 (pid" in message and "was killed by signal 9" in message, message
+    assert "local rank 0" not in message.split("; then")[0], message
+    assert seconds < 300  # the stage's timeout_s: the launcher noticed the dead rank by itself
+    time.sleep(1)
+    assert not _no_rank_left(str(tmp_path)), "a rank outlived the failed task"
+    print(f"{stage_name}: killed rank 1, task failed after {seconds:.1f}s")
+
+    monkeypatch.delenv("POSTTRAIN_FAULT")
+    resumed = run(flow, tmp_path, extra)
+    got, want = manifest(resumed, stage_name), manifest(reference, stage_name)
+    if stage_name == "sft":
+        assert got["result"][resumed_key] == resumed_at
+        assert got["result"]["state_hash"] == want["result"]["state_hash"]
+    else:
+        assert got[resumed_key] == resumed_at
+        assert got["state_hash"] == want["state_hash"]
+        assert grpo_history(resumed) == grpo_history(reference) or _same_but_timings(
+            grpo_history(resumed), grpo_history(reference))
+        assert stage(resumed, "sft")["cache_hit"]
+
+
+def _same_but_timings(a: list[dict], b: list[dict]) -> bool:
+    def strip(h):
+        return {k: v for k, v in h.items() if not k.startswith("time/") and "per_second" not in k}
+
+    return [strip(h) for h in a] == [strip(h) for h in b]
+
+
+def test_supervisor_kills_an_overrunning_launch(tmp_path):
+    """A launch that never finishes: the whole process group is killed at the timeout."""
+    from trainer.launch import LaunchError, LaunchPlan, supervise
+
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]]); " \
+            "print('started', flush=True); time.sleep(600)"
+    marker = f"overrun-{os.getpid()}"
+    plan = LaunchPlan("sft", [sys.executable, "-c", child, marker], world_size=2, ranks_per_node=2, nodes=1,
+                      hostfile=None)
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchError, match="did not finish within timeout_s=3s"):
+        supervise(plan, tmp_path, lines.append, timeout_s=3)
+    assert time.perf_counter() - t0 < 3 + 15
+    assert lines == ["started"]
+    time.sleep(0.5)
+    assert not _no_rank_left(marker)
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1

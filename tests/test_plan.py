@@ -1,0 +1,69 @@
+"""`--dry-run`: the GPU preset validates here (no GPU, no sglang) and prints its launch plan:
+DeepSpeed launcher command lines with their ranks and SGLang server commands with their GPUs.
+Bad paths are named; nothing is started or written."""
+
+
+import pytest
+
+from flows.cli import main
+
+GPU8 = ["--set", "sft.deepspeed.ranks_per_node=8", "--set", "grpo.deepspeed.ranks_per_node=4",
+        "--set", "rollout.sglang.num_servers=4", "--set", "rollout.sglang.first_gpu=4"]
+
+
+def dry(tmp_path, capsys, *extra: str) -> tuple[int, str]:
+    code = main(["speedrun", "--preset", "qwen2.5-0.5b-gsm8k", "--dry-run",
+                 "--set", f"artifact_root={tmp_path / 'art'}", *extra])
+    return code, capsys.readouterr().out
+
+
+def test_gpu_preset_one_gpu_plan(tmp_path, capsys):
+    code, out = dry(tmp_path, capsys)
+    assert code == 0, out
+    assert "sft" in out and "runs in the task's process: 1 rank, zero_stage=2 precision=bf16" in out
+    assert "CUDA_VISIBLE_DEVICES=0" in out and "-m sglang.launch_server --model-path" in out
+    assert "data.train:" in out and "(found)" in out  # ../shared/data/gsm8k, checked
+    assert "hub name" in out
+    assert not (tmp_path / "art").exists()  # nothing written
+
+
+def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
+    code, out = dry(tmp_path, capsys, *GPU8)
+    assert code == 0, out
+    assert "DeepSpeed launcher: 8 ranks = 8 per node x 1 node(s)" in out
+    assert "-m deepspeed.launcher.runner --master_addr 127.0.0.1 --num_gpus 8" in out
+    assert "--num_gpus 4" in out and "--module trainer.rank_main --spec" in out
+    for gpu, port in zip(range(4, 8), range(30000, 30004)):
+        assert f"CUDA_VISIBLE_DEVICES={gpu} " in out and f"--port {port}" in out
+    assert "shared by training ranks" not in out
+
+
+@pytest.mark.parametrize("override, named", [
+    ("data.train=/no/such/train.jsonl", "data.train: '/no/such/train.jsonl' does not exist"),
+    ("model.pretrained=./no-such-model", "model.pretrained: './no-such-model' is not a model folder"),
+])
+def test_dry_run_names_bad_paths(tmp_path, capsys, override, named):
+    code, out = dry(tmp_path, capsys, "--set", override)
+    assert code == 2
+    assert f"PROBLEM: {named}" in out
+    assert not (tmp_path / "art").exists()
+
+
+def test_several_nodes_need_a_hostfile(tmp_path, capsys):
+    code = main(["sft", "--preset", "tiny", "--dry-run", "--set", "sft.deepspeed.nodes=2"])
+    assert code == 2
+    assert "nodes=2 needs hostfile" in capsys.readouterr().err
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    code = main(["sft", "--preset", "tiny", "--dry-run", "--set", "sft.deepspeed.nodes=2",
+                 "--set", "sft.deepspeed.ranks_per_node=8", "--set", f"sft.deepspeed.hostfile={hostfile}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"--hostfile {hostfile} --num_nodes 2 --num_gpus 8" in out
+    assert "16 ranks = 8 per node x 2 node(s)" in out
+
+
+def test_tiny_preset_plan_is_in_process(capsys):
+    assert main(["speedrun", "--preset", "tiny", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "in-process HF engine" in out and "1 rank, zero_stage=1 precision=fp32" in out

@@ -1,0 +1,75 @@
+"""One rank of a stage launched by the DeepSpeed launcher (see trainer.launch).
+
+    python -m deepspeed.launcher.runner --num_gpus N ... --module trainer.rank_main --spec <work>/launch_spec.json
+
+Every rank runs the same stage body as the one-rank path; rank 0 logs to the stage's MLflow run
+and writes `launch_result.json` last, which the supervising task reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def run_stage(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
+    if stage == "sft":
+        from tasks.sft import train_and_export
+
+        return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"))
+    if stage == "grpo":
+        from flows.grpo import train_rounds
+
+        return train_rounds(cfg, inputs["data"], inputs["sft"], work, logger, inputs.get("fault"), as_tasks=False)
+    raise ValueError(f"unknown stage {stage!r}; the launcher runs sft or grpo")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainer.rank_main")
+    parser.add_argument("--spec", required=True, help="launch_spec.json written by the stage's task")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the DeepSpeed launcher")
+    args = parser.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+
+    from trainer import engine as ds, launch
+    from trainer.config import RunConfig
+    from trainer.tracking import NullLogger
+
+    ds.init_distributed()
+    rank = ds.rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    cfg = RunConfig.model_validate(spec["config"])
+    work = Path(spec["work_dir"])
+    inputs = spec["inputs"]
+    logger = NullLogger()
+    if rank == 0 and spec.get("mlflow"):
+        from mlflow import MlflowClient
+
+        from tasks.common import MlflowLogger
+
+        logger = MlflowLogger(MlflowClient(tracking_uri=spec["mlflow"]["tracking_uri"]), spec["mlflow"]["run_id"])
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    status = launch.rank_status_path(work, local_rank, "error")
+    status.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_stage(spec["stage"], cfg, inputs, work, logger)
+        ds.barrier()
+    except BaseException as e:  # recorded for the supervisor's message, then raised as usual
+        status.write_text(f"{type(e).__name__}: {e}")
+        raise
+    launch.rank_status_path(work, local_rank, "ok").touch()
+    if rank == 0:
+        launch.write_result(work, result)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
