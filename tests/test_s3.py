@@ -17,15 +17,24 @@ SECRET = f"s3cr3t-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    import boto3
+def s3_server():
+    """The moto server, in a holder so that a test can stop it and start another on its port."""
     from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
+    holder = {"port": port, "server": ThreadedMotoServer(ip_address="127.0.0.1", port=port)}
+    holder["server"].start()
+    yield holder
+    holder["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    import boto3
+
+    port = s3_server["port"]
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "posttrain-test-key",
            "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
@@ -40,7 +49,6 @@ def s3():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    server.stop()
 
 
 def test_speedrun_on_s3_then_cached_rerun(s3, session_dir, caplog, capsys):
@@ -75,3 +83,43 @@ def test_speedrun_on_s3_then_cached_rerun(s3, session_dir, caplog, capsys):
     assert not leaked, leaked
     out = capsys.readouterr()
     assert SECRET not in caplog.text + out.out + out.err
+
+
+def test_transient_s3_outage_is_retried(s3, s3_server, caplog):
+    """The S3 server goes away for 14 s (longer than s3fs's and botocore's own retries take to
+    give up, about 11 s here) and comes back on the same port: the write is retried until it
+    lands. A missing object is not a transient error and fails at once."""
+    import logging
+    import threading
+    import time
+
+    from moto.server import ThreadedMotoServer
+
+    from trainer import storage
+
+    url = f"{s3}/outage/blob.txt"
+    storage.write_text(url, "before")
+    s3_server["server"].stop()
+
+    def restart():
+        time.sleep(14)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_server["port"])
+        server.start()
+        s3_server["server"] = server
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="trainer.storage"):
+        storage.write_text(url, "during the outage")
+    seconds = time.perf_counter() - t0
+    thread.join()
+    assert seconds >= 14
+    assert storage.read_text(url) == "during the outage"
+    assert "transient error" in caplog.text and "retrying in" in caplog.text
+    print(f"write retried through a 14 s outage, landed after {seconds:.1f}s")
+
+    t0 = time.perf_counter()
+    with pytest.raises(FileNotFoundError):
+        storage.read_text(f"{s3}/outage/missing.txt")
+    assert time.perf_counter() - t0 < 5

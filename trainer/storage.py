@@ -4,25 +4,78 @@ A stage writes its files into its folder and commits them by writing `manifest.j
 folder without a manifest is not a result. Local writes go through a temporary name and an
 atomic rename; S3 puts are atomic per object. S3 endpoint and credentials come from the usual
 AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from the config.
+A transient S3 error (connection refused or reset, time-out, throttling, 5xx) is retried with
+backoff on top of s3fs's own retries; a missing object or a denied request fails at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import fsspec
 
 MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+
+RETRY_ATTEMPTS = 5
+RETRY_BASE_S = 1.0  # waits 1, 2, 4, 8 s between attempts, on top of s3fs's and botocore's own retries
 
 
 def storage_options(url: str) -> dict[str, Any]:
     return {}
+
+
+def _transient(exc: BaseException) -> bool:
+    """A connection that failed or timed out, a throttle, or a 5xx: worth another try. A missing
+    object, a denied one or bad credentials are not."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return False
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        try:
+            from botocore import exceptions as be
+        except ImportError:
+            be = None
+        if be is not None:
+            if isinstance(exc, (be.ConnectionError, be.HTTPClientError)):
+                return True
+            if isinstance(exc, be.ClientError):
+                meta = exc.response.get("ResponseMetadata", {})
+                code = exc.response.get("Error", {}).get("Code", "")
+                return meta.get("HTTPStatusCode", 0) >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout")
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _retrying(what: str, url: str, fn):
+    """fn() for a remote URL, retried with backoff while its error is transient."""
+    if not is_remote(url):
+        return fn()
+    for attempt in range(1, RETRY_ATTEMPTS + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            if attempt == RETRY_ATTEMPTS:
+                raise OSError(f"{what} {url}: still failing after {RETRY_ATTEMPTS} attempts ({type(exc).__name__}: "
+                              f"{exc}); check that the endpoint (AWS_ENDPOINT_URL) is reachable") from exc
+            wait = RETRY_BASE_S * 2 ** (attempt - 1)
+            log.warning("%s %s: transient error (%s: %s); retrying in %.0fs (attempt %d of %d)", what, url,
+                        type(exc).__name__, exc, wait, attempt + 1, RETRY_ATTEMPTS)
+            time.sleep(wait)
 
 
 def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -40,13 +93,13 @@ def join(root: str, *parts: str) -> str:
 
 def exists(url: str) -> bool:
     fs, path = fs_for(url)
-    return fs.exists(path)
+    return _retrying("exists", url, lambda: fs.exists(path))
 
 
 def write_bytes(url: str, data: bytes) -> None:
     fs, path = fs_for(url)
     if is_remote(url):
-        fs.pipe_file(path, data)
+        _retrying("write", url, lambda: fs.pipe_file(path, data))
         return
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +117,7 @@ def write_text(url: str, text: str) -> None:
 
 def read_text(url: str) -> str:
     fs, path = fs_for(url)
-    return fs.cat_file(path).decode()
+    return _retrying("read", url, lambda: fs.cat_file(path)).decode()
 
 
 def write_json(url: str, obj: Any) -> None:
@@ -123,7 +176,7 @@ def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
     dest = root / hashlib.sha256(url.encode()).hexdigest()[:16]
     if not (dest / ".complete").exists():
         tmp = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
-        fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+        _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp), recursive=True))
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -133,8 +186,8 @@ def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
 
 def remove(url: str) -> None:
     fs, path = fs_for(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    if exists(url):
+        _retrying("remove", url, lambda: fs.rm(path, recursive=True))
 
 
 def file_sha256(path: str | Path) -> str:
