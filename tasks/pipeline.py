@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,12 +61,18 @@ def _label(manifest: dict[str, Any]) -> str:
     return f"{manifest['stage']} ({evaluated})" if evaluated else manifest["stage"]
 
 
-def _experiment_id(client, name: str) -> str:
+def experiment_id(client, name: str, artifact_location: str | None = None) -> str:
+    """The experiment's id, creating it (with its artifact location, if given) when missing."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if artifact_location and exp.artifact_location.rstrip("/") != artifact_location.rstrip("/"):
+            logging.getLogger(__name__).warning(
+                "tracking.artifact_location=%s: experiment %r already keeps its artifacts at %s (MLflow cannot "
+                "move them); use a new tracking.experiment for the new location", artifact_location, name,
+                exp.artifact_location)
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_location)
     except Exception:  # created meanwhile by a concurrent run
         return client.get_experiment_by_name(name).experiment_id
 
@@ -88,7 +95,7 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     log = prefect_logger()
     uri = tracking_uri()
     client = MlflowClient(tracking_uri=uri)
-    exp_id = _experiment_id(client, cfg.tracking.experiment)
+    exp_id = experiment_id(client, cfg.tracking.experiment, cfg.tracking.artifact_location)
     flow_run_id, flow_run_name = _flow_run()
     tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name, "posttrain.nightly": str(nightly).lower()}
     if recompute:

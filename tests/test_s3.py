@@ -123,3 +123,22 @@ def test_transient_s3_outage_is_retried(s3, s3_server, caplog):
     with pytest.raises(FileNotFoundError):
         storage.read_text(f"{s3}/outage/missing.txt")
     assert time.perf_counter() - t0 < 5
+
+
+def test_mlflow_artifacts_on_s3(s3):
+    """tracking.artifact_location=s3://...: a new experiment keeps its MLflow artifacts on S3."""
+    import s3fs
+    from mlflow import MlflowClient
+
+    from tasks.common import MlflowLogger
+    from tasks.pipeline import experiment_id
+
+    client = MlflowClient()
+    location = f"{s3}/mlflow"
+    exp = experiment_id(client, "s3-artifacts", location)
+    assert client.get_experiment(exp).artifact_location == location
+    run = client.create_run(exp)
+    MlflowLogger(client, run.info.run_id).log_text("hello from posttrain", "notes/hello.txt")
+    keys = s3fs.S3FileSystem().find(location.removeprefix("s3://"))
+    assert any(k.endswith(f"{run.info.run_id}/artifacts/notes/hello.txt") for k in keys), keys
+    assert experiment_id(client, "s3-artifacts", location) == exp  # found again, not re-created

@@ -241,6 +241,9 @@ class EvalConfig(Strict):
 
 class TrackingConfig(Strict):
     experiment: str = "posttrain"
+    artifact_location: str | None = Field(
+        None, description="where a new experiment keeps its MLflow artifacts, e.g. s3://bucket/mlflow "
+        "(set when the experiment is created; default: the tracking store's)")
     registered_model: str | None = Field(
         None, description="MLflow Model Registry name of the final policy; default posttrain-<preset name>")
 
