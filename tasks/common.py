@@ -241,7 +241,7 @@ def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRe
     from trainer import launch
 
     spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
-            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}}
+            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid()}
     path = launch.write_spec(work, spec)
     plan = launch.plan(stage, ds_cfg, path)
     log = prefect_logger()

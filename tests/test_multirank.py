@@ -204,3 +204,38 @@ def test_supervisor_kills_an_overrunning_launch(tmp_path):
     time.sleep(0.5)
     assert not _no_rank_left(marker)
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+
+
+def test_ranks_exit_when_the_supervising_process_is_killed(tmp_path):
+    """The task's process killed outright (SIGKILL: no chance to clean up): the ranks notice their
+    supervisor is gone and exit, and the launcher takes the rest down. Nothing is left running."""
+    import signal
+
+    root = tmp_path / "art"
+    cmd = [sys.executable, "-m", "flows.cli", "sft", "--set", f"artifact_root={root}", "--set", "sft.max_steps=100000",
+           "--set", "sft.max_seconds=600"]
+    for o in BASE + TWO_RANK_SFT:
+        if not o.startswith("sft.max_steps="):
+            cmd += ["--set", o]
+    log = tmp_path / "cli.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len([p for p in _no_rank_left(str(root)) if "trainer.rank_main" in " ".join(p.info["cmdline"] or [])]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(3)  # the ranks are training
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        while _no_rank_left(str(root)) and time.perf_counter() - t0 < 30:
+            time.sleep(0.5)
+        left = _no_rank_left(str(root))
+        assert not left, [p.cmdline() for p in left]
+        print(f"every rank gone {time.perf_counter() - t0:.1f}s after the supervisor was killed")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the CLI's own Prefect server
+        except ProcessLookupError:
+            pass

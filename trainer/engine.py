@@ -95,12 +95,17 @@ def export_model(engine, tokenizer, out_dir: str | Path) -> None:
 
 
 def state_dict_hash(module: torch.nn.Module) -> str:
+    """Hash of the full weights (gathered first when ZeRO-3 partitions them)."""
     import hashlib
 
-    h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
+    import deepspeed
+
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+        h = hashlib.sha256()
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().float().numpy().tobytes())
     return h.hexdigest()
 
 

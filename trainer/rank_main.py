@@ -13,7 +13,23 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
+
+
+def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
+    """Exit if the supervising task's process is gone (killed outright, so it could not stop us):
+    the launcher then sees this rank fail and stops the others. No rank outlives its task."""
+    while True:
+        time.sleep(every_s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"the supervising process {pid} is gone; this rank exits", file=sys.stderr, flush=True)
+            os._exit(3)
+        except PermissionError:
+            pass  # alive, under another user
 
 
 def run_stage(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
@@ -39,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import RunConfig
     from trainer.tracking import NullLogger
 
+    if spec.get("supervisor_pid"):
+        threading.Thread(target=_watch_supervisor, args=(spec["supervisor_pid"],), daemon=True).start()
     ds.init_distributed()
     rank = ds.rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
