@@ -2,7 +2,6 @@
 DeepSpeed launcher command lines with their ranks and SGLang server commands with their GPUs.
 Bad paths are named; nothing is started or written."""
 
-
 import pytest
 
 from flows.cli import main
