@@ -8,6 +8,7 @@ DeepSpeed launcher's command line and ranks), and the SGLang server commands wit
 from __future__ import annotations
 
 import importlib.util
+import math
 import shlex
 from pathlib import Path
 
@@ -100,6 +101,15 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         folder = stage("grpo", {"data": manifests["prepare_data"], "sft": manifests["sft"]})
         lines += _how("grpo", cfg.grpo.deepspeed, folder)
         r = cfg.rollout
+        groups = math.ceil(r.prompts_per_round * r.over_sample)
+        chunks = math.ceil(groups / max(1, r.batch_size // r.n_samples_per_prompt))
+        world = cfg.grpo.deepspeed.world_size
+        lines.append(f"  rollouts per round: {groups} groups x {r.n_samples_per_prompt} samples in {chunks} chunk(s) of "
+                     f"up to {r.batch_size} sequences, shared by {world} rank(s)")
+        if chunks < world:
+            notes.append(f"rollout.batch_size={r.batch_size}: a round has only {chunks} chunk(s) for {world} ranks, so "
+                         f"{world - chunks} rank(s) wait while the others generate; set rollout.batch_size to at most "
+                         f"{groups * r.n_samples_per_prompt // world}")
         if r.engine == "hf":
             lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
         elif r.sglang.urls:

@@ -188,7 +188,8 @@ class RolloutConfig(Strict):
     max_response_tokens: int = Field(48, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(512, ge=1, description="sequences per generate call (hf engine)")
+    batch_size: int = Field(512, ge=1, description="sequences per generate call: the unit the ranks share out "
+                            "(with N ranks keep it at most a round's sequences / N)")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
 
 
