@@ -239,3 +239,24 @@ def test_ranks_exit_when_the_supervising_process_is_killed(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)  # the CLI's own Prefect server
         except ProcessLookupError:
             pass
+
+
+def test_failure_message_names_the_rank_that_died_first(tmp_path):
+    """The launcher reports one return code; the message comes from what each rank recorded and
+    from when the supervisor saw each one go."""
+    from trainer.launch import _RankWatch, rank_status_path
+
+    watch = _RankWatch(tmp_path)
+    for rank, pid in ((0, 100), (1, 101), (2, 102)):
+        watch.saw(f"[INFO] [launch.py:245:main] process {pid} spawned with command: ['python', '-u', '-m', "
+                  f"'trainer.rank_main', '--local_rank={rank}', '--spec', 'x']")
+    rank_status_path(tmp_path, 2, "error").parent.mkdir(parents=True)
+    rank_status_path(tmp_path, 2, "error").write_text("RuntimeError: Connection closed by peer")
+    watch.dead_at = {1: 5.0, 0: 7.0, 2: 6.0}  # rank 1 went first; the launcher stopped rank 0 at 6.5
+    watch.cleanup_at = 6.5
+    lines = ["['python', ...] exits with return code = -9"]
+    assert watch.describe(lines) == ("local rank 1 (pid 101) was killed by signal 9; then the launcher stopped "
+                                     "local rank 0; then local rank 2 (pid 102) raised RuntimeError: Connection "
+                                     "closed by peer")
+    watch.dead_at = {}  # the supervisor saw none go before the clean-up: it does not guess
+    assert watch.describe(lines).startswith("the launcher stopped local rank 0, 1")

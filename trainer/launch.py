@@ -165,8 +165,10 @@ class _RankWatch:
             else:
                 killed.append((local_rank, pid))
         parts, stopped = [], []
-        for local_rank, pid in killed:
-            if len(killed) > 1 and not self._first(local_rank):
+        # the rank seen gone first is the one that was killed; the launcher stopped the rest
+        killed.sort(key=lambda rp: self.dead_at.get(rp[0], float("inf")))
+        for i, (local_rank, pid) in enumerate(killed):
+            if len(killed) > 1 and (i > 0 or not self._first(local_rank)):
                 stopped.append(str(local_rank))
                 continue
             how = f"signal {-code}" if code is not None and code < 0 else "a signal"
