@@ -9,43 +9,8 @@ launcher, supervised by the grpo task; rank 0's per-round lines stream into its 
 
 from __future__ import annotations
 
-from typing import Any
-
-from prefect.utilities.annotations import quote
-
 from tasks.common import SECTIONS, TrackingRef, run_launched, run_stage
-from tasks.grpo import (finish, launch_sglang, make_trainer, periodic_eval, reward, rollout, save_checkpoint,
-                        update, with_sglang_urls)
-from trainer import faults
-
-
-def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, as_tasks: bool = True) -> dict[str, Any]:
-    """Every round of one GRPO stage, then the export. `as_tasks=False` calls the steps directly
-    (on a launched rank, where there is no Prefect flow run)."""
-    fault = fault or {}
-    trainer = make_trainer(cfg, data, sft, work, logger)
-
-    def call(step, *args):
-        if not as_tasks:
-            return step.fn(*args)
-        # the trainer and batches are live objects: quote() keeps Prefect from walking into them
-        return step(*(a if isinstance(a, int) else quote(a) for a in args))
-
-    while not trainer.done():
-        r = trainer.round + 1
-        batch = call(rollout, trainer, r)
-        batch = call(reward, trainer, batch, r)
-        faults.check("grpo_mid_round", r, fault)
-        call(update, trainer, batch, r)
-        faults.check("grpo_after_update", r, fault)
-        if trainer.round % cfg.grpo.sample_table_every == 0:
-            logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
-        if trainer.should_eval():
-            call(periodic_eval, trainer, r)
-        if trainer.should_checkpoint():
-            call(save_checkpoint, trainer, r)
-        faults.check("grpo_round", r, fault)
-    return finish(trainer, work, logger)
+from tasks.grpo import launch_sglang, train_rounds, with_sglang_urls
 
 
 def grpo_stage(cfg, data: dict, sft: dict, ref: TrackingRef, fault: dict | None = None) -> dict:

@@ -236,7 +236,7 @@ def scratch_dir() -> Path:
 
 def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRef, logger: MlflowLogger,
                  inputs: dict[str, Any]) -> dict[str, Any]:
-    """Run `stage`'s body on every rank under the DeepSpeed launcher (trainer.rank_main), supervised:
+    """Run `stage`'s body on every rank under the DeepSpeed launcher (tasks.rank_main), supervised:
     its output goes into this task's log; a crash, timeout or cancellation kills every rank."""
     from trainer import launch
 

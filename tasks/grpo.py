@@ -14,11 +14,13 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from tasks.common import prefect_logger
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 from trainer import engine as ds
+from trainer import faults
 from trainer.grpo import GRPOTrainer
 from trainer.model import load_model
 from trainer.rollout import RolloutBatch
@@ -99,9 +101,37 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
         metrics["grpo/last_eval_accuracy"] = evals[-1]["eval/accuracy"]
     metrics["grpo/world_size"] = ds.world_size()
     logger.log_metrics(metrics)
-    if ds.rank() == 0:
-        logger.log_artifact(work / "history.jsonl")
-        logger.log_artifact(work / "model", "model")
+    logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0
+    logger.log_artifact(work / "model", "model")
     trainer.engine.close()
     return {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
             "resumed_from_round": trainer.resumed_from}
+
+
+def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, as_tasks: bool = True) -> dict[str, Any]:
+    """Every round of one GRPO stage, then the export. `as_tasks=False` calls the steps directly
+    (on a launched rank, where there is no Prefect flow run)."""
+    fault = fault or {}
+    trainer = make_trainer(cfg, data, sft, work, logger)
+
+    def call(step, *args):
+        if not as_tasks:
+            return step.fn(*args)
+        # the trainer and batches are live objects: quote() keeps Prefect from walking into them
+        return step(*(a if isinstance(a, int) else quote(a) for a in args))
+
+    while not trainer.done():
+        r = trainer.round + 1
+        batch = call(rollout, trainer, r)
+        batch = call(reward, trainer, batch, r)
+        faults.check("grpo_mid_round", r, fault)
+        call(update, trainer, batch, r)
+        faults.check("grpo_after_update", r, fault)
+        if trainer.round % cfg.grpo.sample_table_every == 0:
+            logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
+        if trainer.should_eval():
+            call(periodic_eval, trainer, r)
+        if trainer.should_checkpoint():
+            call(save_checkpoint, trainer, r)
+        faults.check("grpo_round", r, fault)
+    return finish(trainer, work, logger)

@@ -15,6 +15,7 @@ from pathlib import Path
 from tasks.common import SECTIONS, stage_key, work_dir_for
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
+from trainer.model import pretrained_kind
 
 
 def _check_path(field: str, ref: str | None, problems: list[str], notes: list[str], model: bool = False) -> None:
@@ -34,7 +35,7 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
             notes.append(f"{field}: {ref} (found)")
         return
     path = Path(ref).expanduser()
-    if model and not ref.startswith((".", "/", "~")) and not path.exists():
+    if model and pretrained_kind(ref) == "hub":
         notes.append(f"{field}: {ref} is a hub name: it loads only where this machine can reach the hub "
                      "(offline, point it at a local folder or s3:// URI)")
         return
@@ -59,6 +60,7 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
 
 def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
     """(the plan as text, the problems found). A run is safe to start when there are no problems."""
+    from trainer.rollout import groups_per_chunk
     from trainer.sglang import launch_command, server_gpus
 
     problems: list[str] = []
@@ -102,7 +104,7 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         lines += _how("grpo", cfg.grpo.deepspeed, folder)
         r = cfg.rollout
         groups = math.ceil(r.prompts_per_round * r.over_sample)
-        chunks = math.ceil(groups / max(1, r.batch_size // r.n_samples_per_prompt))
+        chunks = math.ceil(groups / groups_per_chunk(r))
         world = cfg.grpo.deepspeed.world_size
         lines.append(f"  rollouts per round: {groups} groups x {r.n_samples_per_prompt} samples in {chunks} chunk(s) of "
                      f"up to {r.batch_size} sequences, shared by {world} rank(s)")

@@ -37,8 +37,7 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
                "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(engine.module),
                "sft/world_size": ds.world_size()}
     logger.log_metrics(metrics)
-    if ds.rank() == 0:
-        logger.log_artifact(work / "model", "model")
+    logger.log_artifact(work / "model", "model")  # a NullLogger off rank 0
     return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
 
 

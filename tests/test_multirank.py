@@ -223,7 +223,7 @@ def test_ranks_exit_when_the_supervising_process_is_killed(tmp_path):
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while len([p for p in _no_rank_left(str(root)) if "trainer.rank_main" in " ".join(p.info["cmdline"] or [])]) < 2:
+        while len([p for p in _no_rank_left(str(root)) if "tasks.rank_main" in " ".join(p.info["cmdline"] or [])]) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         time.sleep(3)  # the ranks are training
@@ -249,7 +249,7 @@ def test_failure_message_names_the_rank_that_died_first(tmp_path):
     watch = _RankWatch(tmp_path)
     for rank, pid in ((0, 100), (1, 101), (2, 102)):
         watch.saw(f"[INFO] [launch.py:245:main] process {pid} spawned with command: ['python', '-u', '-m', "
-                  f"'trainer.rank_main', '--local_rank={rank}', '--spec', 'x']")
+                  f"'tasks.rank_main', '--local_rank={rank}', '--spec', 'x']")
     rank_status_path(tmp_path, 2, "error").parent.mkdir(parents=True)
     rank_status_path(tmp_path, 2, "error").write_text("RuntimeError: Connection closed by peer")
     watch.dead_at = {1: 5.0, 0: 7.0, 2: 6.0}  # rank 1 went first; the launcher stopped rank 0 at 6.5

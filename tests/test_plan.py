@@ -31,7 +31,7 @@ def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
     assert code == 0, out
     assert "DeepSpeed launcher: 8 ranks = 8 per node x 1 node(s)" in out
     assert "-m deepspeed.launcher.runner --master_addr 127.0.0.1 --num_gpus 8" in out
-    assert "--num_gpus 4" in out and "--module trainer.rank_main --spec" in out
+    assert "--num_gpus 4" in out and "--module tasks.rank_main --spec" in out
     for gpu, port in zip(range(4, 8), range(30000, 30004)):
         assert f"CUDA_VISIBLE_DEVICES={gpu} " in out and f"--port {port}" in out
     assert "shared by training ranks" not in out

@@ -1,7 +1,7 @@
 """Run a training stage under the DeepSpeed launcher and supervise it.
 
 The stage's task writes a spec (config, input manifests, MLflow run) into the work folder, then
-starts `python -m deepspeed.launcher.runner ... --module trainer.rank_main --spec <file>` in a
+starts `python -m deepspeed.launcher.runner ... --module tasks.rank_main --spec <file>` in a
 process group of its own. The supervisor streams the launcher's output line by line into the
 run's log, kills the whole group on timeout, cancellation or any error in the caller (SIGTERM,
 then SIGKILL after a grace period), and turns a rank's crash into `LaunchError` naming the
@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer import storage
 from trainer.config import DeepSpeedConfig
+from trainer.engine import free_port
 from trainer.errors import InputError
 
 SPEC = "launch_spec.json"
@@ -60,12 +61,6 @@ class LaunchPlan:
                 f"({self.ranks_per_node} per node on {where})\n  $ {shlex.join(self.command)}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def plan(stage: str, ds: DeepSpeedConfig, spec_path: str | Path, port: int | None = None) -> LaunchPlan:
     """The launcher command for `stage`'s ranks; checks the hostfile exists."""
     if ds.hostfile is not None and not Path(ds.hostfile).is_file():
@@ -78,7 +73,7 @@ def plan(stage: str, ds: DeepSpeedConfig, spec_path: str | Path, port: int | Non
         cmd += ["--master_addr", "127.0.0.1"]
     cmd += ["--num_gpus", str(ds.ranks_per_node),
             "--master_port", str(port or ds.master_port or free_port()),
-            "--module", "trainer.rank_main", "--spec", str(spec_path)]
+            "--module", "tasks.rank_main", "--spec", str(spec_path)]
     return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile)
 
 
@@ -232,14 +227,9 @@ def supervise(launch: LaunchPlan, work_dir: str | Path, on_line: Callable[[str],
 
 def write_spec(work_dir: str | Path, spec: dict[str, Any]) -> Path:
     path = Path(work_dir) / SPEC
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(spec, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    storage.write_json(str(path), spec)
     return path
 
 
 def write_result(work_dir: str | Path, result: dict[str, Any]) -> None:
-    path = Path(work_dir) / RESULT
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, sort_keys=True))
-    os.replace(tmp, path)
+    storage.write_json(str(Path(work_dir) / RESULT), result)

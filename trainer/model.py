@@ -17,13 +17,23 @@ class ModelLoadError(InputError):
     pass
 
 
+def pretrained_kind(ref: str) -> str:
+    """What a model.pretrained value names: "remote" (an s3:// URI), "local" (a path) or "hub"."""
+    if storage.is_remote(ref):
+        return "remote"
+    if ref.startswith((".", "/", "~")) or Path(ref).exists():
+        return "local"
+    return "hub"
+
+
 def resolve_pretrained(ref: str) -> str:
     """A local folder for s3:// and local refs; hub names pass through unchanged."""
-    if storage.is_remote(ref):
+    kind = pretrained_kind(ref)
+    if kind == "remote":
         if not storage.exists(ref):
             raise ModelLoadError(f"model.pretrained: {ref!r} does not exist; check the URI and credentials")
         return str(storage.local_dir(ref))
-    if ref.startswith((".", "/", "~")) or Path(ref).exists():
+    if kind == "local":
         path = Path(ref).expanduser()
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model.pretrained: {ref!r} is not a model folder (no config.json); "

@@ -136,6 +136,11 @@ class DataBuffer:
 
 # ---------------------------------------------------------------- manager
 
+def groups_per_chunk(cfg: RolloutConfig) -> int:
+    """Groups per generate call (a chunk): the unit of work the ranks share out."""
+    return max(1, cfg.batch_size // cfg.n_samples_per_prompt)
+
+
 def keep_group(group: Group, mode: str) -> bool:
     """The dynamic-sampling filter: `nonzero_std` drops groups whose rewards all agree."""
     if mode == "none":
@@ -177,7 +182,7 @@ class RolloutManager:
         # and the ranks share the chunks out (chunk c on rank c % world): the samples do not depend on
         # how many ranks there are. `score` gathers every rank's groups back in chunk order.
         n = cfg.n_samples_per_prompt
-        per_chunk = max(1, cfg.batch_size // n)
+        per_chunk = groups_per_chunk(cfg)
         chunks = [indices[i : i + per_chunk] for i in range(0, len(indices), per_chunk)]
         groups, chunk_of, n_tokens = [], [], 0
         for c in range(ds.rank(), len(chunks), ds.world_size()):

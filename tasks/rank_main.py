@@ -1,6 +1,6 @@
 """One rank of a stage launched by the DeepSpeed launcher (see trainer.launch).
 
-    python -m deepspeed.launcher.runner --num_gpus N ... --module trainer.rank_main --spec <work>/launch_spec.json
+    python -m deepspeed.launcher.runner --num_gpus N ... --module tasks.rank_main --spec <work>/launch_spec.json
 
 Every rank runs the same stage body as the one-rank path; rank 0 logs to the stage's MLflow run
 and writes `launch_result.json` last, which the supervising task reads.
@@ -32,20 +32,20 @@ def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
             pass  # alive, under another user
 
 
-def run_stage(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
+def run_body(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
     if stage == "sft":
         from tasks.sft import train_and_export
 
         return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"))
     if stage == "grpo":
-        from flows.grpo import train_rounds
+        from tasks.grpo import train_rounds
 
         return train_rounds(cfg, inputs["data"], inputs["sft"], work, logger, inputs.get("fault"), as_tasks=False)
     raise ValueError(f"unknown stage {stage!r}; the launcher runs sft or grpo")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainer.rank_main")
+    parser = argparse.ArgumentParser(prog="tasks.rank_main")
     parser.add_argument("--spec", required=True, help="launch_spec.json written by the stage's task")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the DeepSpeed launcher")
     args = parser.parse_args(argv)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     status = launch.rank_status_path(work, local_rank, "error")
     status.parent.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_stage(spec["stage"], cfg, inputs, work, logger)
+        result = run_body(spec["stage"], cfg, inputs, work, logger)
         ds.barrier()
     except BaseException as e:  # recorded for the supervisor's message, then raised as usual
         status.write_text(f"{type(e).__name__}: {e}")
