@@ -43,6 +43,24 @@ def test_synthetic_knobs():
         assert all(10 <= int(n) <= 99 for n in re.findall(r"\d+", steps[0].split("=")[0]))
 
 
+def test_worked_fraction_mixes_answer_only_rows_into_train_only():
+    full = synthetic(SyntheticData(n_train=2000, n_test=100), seed=3)
+    mixed = synthetic(SyntheticData(n_train=2000, n_test=100, worked_fraction=0.5), seed=3)
+    # the answer style has its own random stream: the same questions, the same held-out split
+    assert [ex["messages"][0] for ex in mixed.train] == [ex["messages"][0] for ex in full.train]
+    assert mixed.test == full.test
+    terse = 0
+    for a, b in zip(full.train, mixed.train):
+        answer = b["messages"][-1]["content"]
+        if answer != a["messages"][-1]["content"]:
+            assert answer == f"#### {a['answer']}" and b["answer"] == a["answer"]
+            terse += 1
+    assert 900 <= terse <= 1100
+    none = synthetic(SyntheticData(n_train=200, n_test=10, worked_fraction=0.0), seed=3)
+    assert all(ex["messages"][-1]["content"] == f"#### {ex['answer']}" for ex in none.train)
+    assert all("=" in ex["messages"][-1]["content"] for ex in none.test)
+
+
 def test_synthetic_too_few_distinct_problems():
     with pytest.raises(DataError, match="distinct problems"):
         synthetic(SyntheticData(n_train=10, n_test=100_000, max_ops=1, ops=["+"]), seed=0)

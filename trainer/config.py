@@ -36,6 +36,11 @@ class SyntheticData(Strict):
     max_ops: int = Field(3, ge=1, le=8, description="most arithmetic steps per problem")
     digits: int = Field(1, ge=1, le=4, description="digits of each operand")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-", "*"], min_length=1)
+    worked_fraction: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="share of training answers that show their worked steps; the rest give only "
+        "'#### n', as terse answers do in real SFT data",
+    )
 
     @model_validator(mode="after")
     def _ops_range(self) -> "SyntheticData":

@@ -64,6 +64,7 @@ def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, 
 def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
     """Deterministic train/test sets; test problems never appear in train."""
     rng = random.Random(seed)
+    style = random.Random(f"{seed}/answer-style")  # its own stream: the questions do not depend on it
     seen: set[str] = set()
     test: list[dict[str, Any]] = []
     train: list[dict[str, Any]] = []
@@ -83,6 +84,8 @@ def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
             seen.add(q)
         elif q in seen:
             continue  # never train on a held-out question
+        elif style.random() >= cfg.worked_fraction:
+            a = f"#### {final}"
         bucket.append(make_example(f"syn-{len(bucket)}", q, a, final))
     return PreparedData(train=train, test=test)
 
