@@ -60,7 +60,7 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
 
 def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
     """(the plan as text, the problems found). A run is safe to start when there are no problems."""
-    from trainer.rollout import groups_per_chunk
+    from trainer.rollout import groups_per_chunk, groups_per_round
     from trainer.sglang import launch_command, server_gpus
 
     problems: list[str] = []
@@ -103,7 +103,7 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         folder = stage("grpo", {"data": manifests["prepare_data"], "sft": manifests["sft"]})
         lines += _how("grpo", cfg.grpo.deepspeed, folder)
         r = cfg.rollout
-        groups = math.ceil(r.prompts_per_round * r.over_sample)
+        groups = groups_per_round(r)
         chunks = math.ceil(groups / groups_per_chunk(r))
         world = cfg.grpo.deepspeed.world_size
         lines.append(f"  rollouts per round: {groups} groups x {r.n_samples_per_prompt} samples in {chunks} chunk(s) of "

@@ -136,6 +136,11 @@ class DataBuffer:
 
 # ---------------------------------------------------------------- manager
 
+def groups_per_round(cfg: RolloutConfig) -> int:
+    """Groups a round asks for before the filter: prompts_per_round x over_sample, rounded up."""
+    return math.ceil(cfg.prompts_per_round * cfg.over_sample)
+
+
 def groups_per_chunk(cfg: RolloutConfig) -> int:
     """Groups per generate call (a chunk): the unit of work the ranks share out."""
     return max(1, cfg.batch_size // cfg.n_samples_per_prompt)
@@ -166,7 +171,7 @@ class RolloutManager:
     def generate(self, round_: int) -> RolloutBatch:
         """Generate n samples for enough prompts to fill a round after filtering (over-sampling)."""
         cfg = self.cfg
-        want = max(0, math.ceil(cfg.prompts_per_round * cfg.over_sample) - len(self.carry))
+        want = max(0, groups_per_round(cfg) - len(self.carry))
         t0 = time.perf_counter()
         indices, too_long = [], 0
         while len(indices) < want:
