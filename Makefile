@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PRESET ?= tiny
 ARGS ?=
 
-.PHONY: setup speedrun test test-fast bench serve clean
+.PHONY: setup sglang-env speedrun test test-fast bench serve clean
 
 setup: $(VENV)/.installed
 
@@ -22,7 +22,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 speedrun: setup
 	$(BIN)/posttrain speedrun --preset $(PRESET) $(ARGS)
 
+# SGLang servers run from their own environment (sglang pins another torch and transformers), built
+# once per machine outside the clone and shared by every clone: see deployments/sglang_env.py.
+# SGLANG_DEVICE=auto builds the CUDA variant where nvidia-smi exists, else the CPU one.
+SGLANG_DEVICE ?= auto
+sglang-env: setup
+	$(BIN)/python -m deployments.sglang_env build --device $(SGLANG_DEVICE)
+
+# The tests run real SGLang servers in CPU mode, so they need the CPU variant.
 test: setup
+	$(BIN)/python -m deployments.sglang_env build --device cpu
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup

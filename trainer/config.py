@@ -167,19 +167,34 @@ class SFTConfig(Strict):
 
 
 class SGLangConfig(Strict):
-    """SGLang servers for rollouts: connect to `urls`, or launch `num_servers` of them."""
+    """SGLang servers for rollouts: connect to `urls`, or launch `num_servers` of them.
+
+    Launched servers run from their own interpreter (`python`; by default the environment that
+    `make sglang-env` builds), since SGLang pins torch and transformers versions of its own."""
 
     urls: list[str] = Field(default_factory=list, description="running servers, e.g. http://10.0.0.5:30000")
     launch: bool = Field(True, description="start servers with python -m sglang.launch_server when urls is empty")
+    python: str | None = Field(
+        None, description="interpreter that runs launched servers; unset: the SGLang environment built by "
+        "`make sglang-env` (its path is printed by `python -m deployments.sglang_env path`)")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cpu runs SGLang's CPU mode (SGLANG_USE_CPU_ENGINE=1, --device cpu): slow, for tests "
+        "and machines without a GPU")
+    host: str = Field("127.0.0.1", description="address launched servers bind to")
     num_servers: int = Field(1, ge=1)
     base_port: int = Field(30000, ge=1024, le=65535)
     gpus_per_server: int = Field(1, ge=1)
     first_gpu: int = Field(0, ge=0, description="server i uses GPUs first_gpu + i*gpus_per_server onwards; put "
                            "them after the training ranks' GPUs (0..ranks_per_node-1) on a shared machine")
     mem_fraction_static: float = Field(0.5, gt=0, le=1)
+    max_total_tokens: int | None = Field(
+        None, ge=256, description="KV-cache size in tokens (--max-total-tokens); unset lets SGLang size it from "
+        "memory, except on device=cpu, where it is 8192 (SGLang would reserve about 14 GB)")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for launched servers")
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="a /generate or weight update taking longer fails "
+                                     "the round, naming the server")
 
 
 class RolloutConfig(Strict):

@@ -1,26 +1,36 @@
-"""Rollouts from SGLang servers over their native HTTP API (needs a GPU; `pip install .[gpu]`).
+"""Rollouts from SGLang servers over their native HTTP API.
 
-- launch: `python -m sglang.launch_server --model-path ... --port ...`, one process per server,
-  waited on with GET /health; or connect to running servers (`rollout.sglang.urls`).
-- generate: POST /generate with `input_ids`, `sampling_params` and `return_logprob`; each reply's
-  `meta_info.output_token_logprobs` holds `[logprob, token_id, ...]` per generated token and
-  `meta_info.finish_reason.type` is "stop" or "length". Prompts go round-robin over servers.
-- weights: POST /update_weights_from_disk {"model_path": ...} on every server after a round.
+- environment: SGLang pins its own torch and transformers, so launched servers run from their own
+  interpreter (`rollout.sglang.python`; by default the one `make sglang-env` builds under
+  `$POSTTRAIN_SGLANG_HOME`, keyed by the pins in `deployments/sglang/`).
+- launch: `<python> trainer/sglang_server.py --parent-pid <this process> -- --model-path ...`, one
+  process group per server, waited on with GET /health. The wrapper runs SGLang's own
+  `sglang.launch_server` unchanged and takes the whole server down when the process that started
+  it is gone, even after a SIGKILL. Or connect to running servers (`rollout.sglang.urls`).
+- generate: POST /generate with `input_ids`, one `sampling_params` per prompt (sample i of a call
+  gets seed base + i) and `return_logprob`; each result's `meta_info.output_token_logprobs` holds
+  `[logprob, token_id, text]` per generated token, `meta_info.finish_reason.type` is "stop" or
+  "length". Prompts go round-robin over servers.
+- weights: POST /update_weights_from_disk {"model_path": ...} on every server. SGLang answers 200
+  `{"success": true}`, or 400 `{"success": false, "message": ...}` and keeps the old weights.
 
-An unreachable server, a dead server process or an error reply raises `SGLangError` naming the
-server and what to check.
+An unreachable server, a dead server process, a time-out or an error reply raises `SGLangError`
+naming the server and what to check. Faults are not retried here: the round fails, the stage's
+task fails, and a re-run resumes from the last checkpoint with fresh servers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
+import socket
 import subprocess
-import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
 from threading import Thread
 
 import requests
@@ -31,15 +41,98 @@ from trainer.generate import Generation
 
 log = logging.getLogger(__name__)
 
+PINS_DIR = Path(__file__).resolve().parent.parent / "deployments" / "sglang"
+SERVER_WRAPPER = Path(__file__).resolve().parent / "sglang_server.py"
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
+
 
 class SGLangError(InputError):
     pass
 
 
+# ---------------------------------------------------------------- the server's environment
+
+def pin_files(device: str) -> list[Path]:
+    """The requirement files an SGLang environment for `device` is built from (cpu or cuda)."""
+    files = [PINS_DIR / "requirements.txt"]
+    if device == "cuda":
+        files.append(PINS_DIR / "requirements-cuda.txt")
+    return files
+
+
+def env_dir(device: str) -> Path:
+    """Where `make sglang-env` puts the environment: keyed by its pins, shared by every clone."""
+    h = hashlib.sha256()
+    for f in pin_files(device):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    home = Path(os.environ.get("POSTTRAIN_SGLANG_HOME", Path.home() / ".cache" / "posttrain"))
+    return home / f"sglang-{device}-{h.hexdigest()[:12]}"
+
+
+def server_python(cfg: SGLangConfig) -> str:
+    """The interpreter launched servers run under (not checked; see `check_server_python`)."""
+    return cfg.python or str(env_dir(cfg.device) / "bin" / "python")
+
+
+def check_server_python(cfg: SGLangConfig) -> str | None:
+    """None if launched servers can start from `server_python(cfg)`, else what is wrong and the fix."""
+    if cfg.python:
+        if not Path(cfg.python).is_file():
+            return f"rollout.sglang.python: {cfg.python!r} does not exist; point it at an interpreter that has sglang"
+        return None
+    if not (env_dir(cfg.device) / ".complete").is_file():
+        flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"
+        return (f"rollout.sglang.python is unset and no SGLang environment is built at {env_dir(cfg.device)}; "
+                f"build it with `make sglang-env{flag}`, or set rollout.sglang.python")
+    return None
+
+
+# ---------------------------------------------------------------- launching
+
+def server_gpus(cfg: SGLangConfig, i: int) -> str:
+    """CUDA_VISIBLE_DEVICES of launched server i."""
+    first = cfg.first_gpu + i * cfg.gpus_per_server
+    return ",".join(str(first + g) for g in range(cfg.gpus_per_server))
+
+
+def launch_command(cfg: SGLangConfig, model_path: str, port: int, dtype: str = "bfloat16",
+                   parent_pid: int | None = None) -> list[str]:
+    """The command line of one launched server (SGLang's own launch_server under the wrapper).
+
+    `dtype` is the policy's (model.dtype): SGLang's default, "auto", would serve a float32
+    checkpoint in float16, and the rollouts' logprobs would drift from the trainer's."""
+    cmd = [server_python(cfg), str(SERVER_WRAPPER), "--parent-pid", str(parent_pid or os.getpid()), "--",
+           "--model-path", model_path, "--dtype", dtype, "--host", cfg.host, "--port", str(port),
+           "--tp", str(cfg.gpus_per_server), "--mem-fraction-static", str(cfg.mem_fraction_static)]
+    max_tokens = cfg.max_total_tokens
+    if cfg.device == "cpu":
+        # an idle CPU-mode scheduler otherwise busy-polls the cores the trainer needs
+        cmd += ["--device", "cpu", "--sleep-on-idle"]
+        max_tokens = max_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+    if max_tokens:
+        cmd += ["--max-total-tokens", str(max_tokens)]
+    return cmd + list(cfg.extra_args)
+
+
+def server_env(cfg: SGLangConfig, i: int) -> dict[str, str]:
+    """The environment variables launched server i gets on top of this process's."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1"} if cfg.device == "cpu" else {"CUDA_VISIBLE_DEVICES": server_gpus(cfg, i)}
+    return {**env, **cfg.env}
+
+
+def port_taken(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class _Server:
     def __init__(self, url: str, proc: subprocess.Popen | None = None) -> None:
         self.url, self.proc = url.rstrip("/"), proc
-        self.log_tail: deque[str] = deque(maxlen=40)
+        self.log_tail: deque[str] = deque(maxlen=60)
         if proc is not None and proc.stdout is not None:
             Thread(target=self._drain, daemon=True).start()
 
@@ -54,18 +147,34 @@ class _Server:
             raise SGLangError(f"SGLang server {self.url} exited with code {self.proc.returncode}; its last "
                               f"output:\n{tail}")
 
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            self.proc.poll()
+            time.sleep(0.2)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
-def server_gpus(cfg: SGLangConfig, i: int) -> str:
-    """CUDA_VISIBLE_DEVICES of launched server i."""
-    first = cfg.first_gpu + i * cfg.gpus_per_server
-    return ",".join(str(first + g) for g in range(cfg.gpus_per_server))
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
-def launch_command(cfg: SGLangConfig, model_path: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
-            "--port", str(port), "--tp", str(cfg.gpus_per_server),
-            "--mem-fraction-static", str(cfg.mem_fraction_static), *cfg.extra_args]
-
+# ---------------------------------------------------------------- the engine
 
 class SGLangEngine:
     def __init__(self, servers: list[_Server], tok, request_timeout_s: float = 600.0) -> None:
@@ -75,113 +184,159 @@ class SGLangEngine:
         self._session = requests.Session()
 
     @classmethod
-    def from_config(cls, cfg: SGLangConfig, model_path: str, tok) -> "SGLangEngine":
+    def from_config(cls, cfg: SGLangConfig, model_path: str, tok, dtype: str = "bfloat16") -> "SGLangEngine":
+        """Connect to `cfg.urls`, or launch `cfg.num_servers` servers on `model_path`; healthy on return.
+        Launched servers are stopped again if any of them fails to come up."""
         if cfg.urls:
             engine = cls([_Server(u) for u in cfg.urls], tok, cfg.request_timeout_s)
         elif cfg.launch:
-            servers = []
-            for i in range(cfg.num_servers):
-                port = cfg.base_port + i
-                env = dict(os.environ)
-                env["CUDA_VISIBLE_DEVICES"] = server_gpus(cfg, i)
-                cmd = launch_command(cfg, model_path, port)
-                log.info("launching SGLang: %s", " ".join(cmd))
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
-                servers.append(_Server(f"http://127.0.0.1:{port}", proc))
-            engine = cls(servers, tok, cfg.request_timeout_s)
+            problem = check_server_python(cfg)
+            if problem:
+                raise SGLangError(problem)
+            engine = cls.__new__(cls)
+            engine.servers, engine.tok, engine.timeout = [], tok, cfg.request_timeout_s
+            engine._session = requests.Session()
+            try:
+                for i in range(cfg.num_servers):
+                    port = cfg.base_port + i
+                    if port_taken(cfg.host, port):
+                        raise SGLangError(f"rollout.sglang: port {port} on {cfg.host} is taken (another server or "
+                                          "an earlier run still up?); stop it or set rollout.sglang.base_port")
+                    cmd = launch_command(cfg, model_path, port, dtype)
+                    log.info("launching SGLang: %s", " ".join(cmd))
+                    proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                    engine.servers.append(_Server(f"http://{cfg.host}:{port}", proc))
+            except BaseException:
+                engine.close()
+                raise
         else:
             raise SGLangError("rollout.sglang: urls is empty and launch is false; give server URLs or launch: true")
         engine.wait_healthy(cfg.startup_timeout_s)
         return engine
 
     def wait_healthy(self, timeout_s: float) -> None:
+        """Every server answers GET /health with 200 (503 while it warms up). Stops launched servers
+        and raises SGLangError if one dies or is not healthy in time."""
         deadline = time.monotonic() + timeout_s
-        for s in self.servers:
-            while True:
-                s.check_alive()
-                try:
-                    if self._session.get(f"{s.url}/health", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise SGLangError(f"SGLang server {s.url} not healthy after {timeout_s:.0f}s; check that it "
-                                      "is running and reachable (rollout.sglang.urls) or raise startup_timeout_s")
-                time.sleep(1.0)
+        try:
+            for s in self.servers:
+                while True:
+                    s.check_alive()
+                    try:
+                        if self._session.get(f"{s.url}/health", timeout=5).status_code == 200:
+                            break
+                    except requests.RequestException:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise SGLangError(f"SGLang server {s.url} not healthy after {timeout_s:.0f}s; check that it "
+                                          "is running and reachable (rollout.sglang.urls) or raise "
+                                          "rollout.sglang.startup_timeout_s")
+                    time.sleep(0.5)
+        except BaseException:
+            self.close()
+            raise
 
-    def _post(self, server: _Server, path: str, payload: dict) -> object:
+    def _post(self, server: _Server, path: str, payload: dict) -> tuple[int, object]:
+        """(status, parsed body). Raises SGLangError if the server is dead, unreachable or times out."""
         server.check_alive()
         try:
             resp = self._session.post(f"{server.url}{path}", json=payload, timeout=self.timeout)
+        except requests.Timeout:
+            raise SGLangError(f"SGLang server {server.url} did not answer {path} within {self.timeout:.0f}s "
+                              "(rollout.sglang.request_timeout_s); check that it is not stuck or overloaded") from None
         except requests.RequestException as exc:
             server.check_alive()
             raise SGLangError(f"SGLang server {server.url} unreachable on {path}: {exc}; check that it is "
                               "running and that rollout.sglang.urls is right") from None
-        if resp.status_code != 200:
-            raise SGLangError(f"SGLang server {server.url}{path} answered {resp.status_code}: {resp.text[:500]}")
-        return resp.json()
+        try:
+            body = resp.json()
+        except ValueError:
+            body = resp.text
+        return resp.status_code, body
 
     def generate(self, prompts: list[list[int]], params) -> list[Generation]:
         if not prompts:
             return []
         shards: list[list[int]] = [list(range(i, len(prompts), len(self.servers))) for i in range(len(self.servers))]
-        sampling = {"temperature": params.temperature, "top_p": params.top_p,
-                    "max_new_tokens": params.max_new_tokens, "skip_special_tokens": True}
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
+
+        def sampling(i: int) -> dict:
+            # one seed per sample: with a shared seed the n samples of a group would be identical
+            # wherever SGLang honours seeds (see README, "Reproducibility")
+            sp = {"temperature": params.temperature, "top_p": params.top_p,
+                  "max_new_tokens": params.max_new_tokens, "skip_special_tokens": True}
+            if params.seed is not None:
+                sp["sampling_seed"] = params.seed + i
+            return sp
 
         def run(k: int) -> list[dict]:
             idx = shards[k]
             if not idx:
                 return []
-            body = {"input_ids": [prompts[i] for i in idx], "sampling_params": sampling, "return_logprob": True}
-            reply = self._post(self.servers[k], "/generate", body)
+            body = {"input_ids": [prompts[i] for i in idx], "sampling_params": [sampling(i) for i in idx],
+                    "return_logprob": True}
+            status, reply = self._post(self.servers[k], "/generate", body)
+            if status != 200:
+                raise SGLangError(f"SGLang server {self.servers[k].url}/generate answered {status}: "
+                                  f"{str(reply)[:500]}")
             return reply if isinstance(reply, list) else [reply]
 
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            replies = list(pool.map(run, range(len(self.servers))))
+        # the first failing server fails the call at once, without waiting for the others' replies
+        pool = ThreadPoolExecutor(len(self.servers))
+        futures = {pool.submit(run, k): k for k in range(len(self.servers))}
+        replies: list[list[dict]] = [[] for _ in self.servers]
+        try:
+            for fut in as_completed(futures):
+                replies[futures[fut]] = fut.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         out: list[Generation | None] = [None] * len(prompts)
         for k, idx in enumerate(shards):
             if len(replies[k]) != len(idx):
                 raise SGLangError(f"SGLang server {self.servers[k].url} returned {len(replies[k])} results "
                                   f"for {len(idx)} prompts")
             for i, r in zip(idx, replies[k]):
-                out[i] = parse_generation(r, prompts[i], self.tok)
+                out[i] = parse_generation(r, prompts[i], self.tok, self.servers[k].url)
         return out  # type: ignore[return-value]
 
     def update_weights(self, model_dir: str | None) -> None:
+        """Every server loads the model folder `model_dir`. Raises SGLangError naming the server
+        and the folder if one refuses (it then keeps serving its previous weights)."""
         if model_dir is None:
             return
         for s in self.servers:
-            reply = self._post(s, "/update_weights_from_disk", {"model_path": model_dir})
-            if isinstance(reply, dict) and reply.get("success") is False:
-                raise SGLangError(f"SGLang server {s.url} refused new weights from {model_dir}: {reply.get('message')}")
+            status, reply = self._post(s, "/update_weights_from_disk", {"model_path": model_dir})
+            ok = status == 200 and not (isinstance(reply, dict) and reply.get("success") is False)
+            if not ok:
+                msg = reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
+                raise SGLangError(f"SGLang server {s.url} refused new weights from {model_dir} (HTTP {status}): "
+                                  f"{msg}; it keeps serving its previous weights. Check that the folder is a "
+                                  "complete save_pretrained model readable from the server's machine")
 
     def close(self) -> None:
+        """Stop the servers this engine launched (never ones it only connected to)."""
         for s in self.servers:
-            if s.proc is not None and s.proc.poll() is None:
-                try:
-                    os.killpg(s.proc.pid, signal.SIGTERM)
-                    s.proc.wait(timeout=30)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(s.proc.pid, signal.SIGKILL)
+            s.stop()
 
 
-def parse_generation(reply: dict, prompt_ids: list[int], tok) -> Generation:
+def parse_generation(reply: dict, prompt_ids: list[int], tok, url: str = "SGLang") -> Generation:
     """One /generate result -> Generation. Raises SGLangError on a malformed or aborted result."""
     meta = reply.get("meta_info") if isinstance(reply, dict) else None
     if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
-        raise SGLangError("SGLang /generate reply lacks meta_info.output_token_logprobs; the request must "
+        raise SGLangError(f"{url}: /generate reply lacks meta_info.output_token_logprobs; the request must "
                           f"set return_logprob (got keys {sorted(reply) if isinstance(reply, dict) else reply!r})")
     entries = meta["output_token_logprobs"] or []
     ids = [int(e[1]) for e in entries]
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    missing = [k for k, e in enumerate(entries) if e[0] is None]
+    if missing:
+        # a zero would weigh in as probability 1 in the trainer/engine importance ratio (TIS)
+        raise SGLangError(f"{url}: /generate returned no logprob for generated token(s) at {missing[:8]}; "
+                          "the trainer needs every sampled token's logprob")
+    logprobs = [float(e[0]) for e in entries]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     if kind not in ("stop", "length"):
-        raise SGLangError(f"SGLang generation ended with finish_reason {finish!r}")
+        raise SGLangError(f"{url}: generation ended with finish_reason {finish!r}")
     text = reply.get("text")
     if text is None:
         text = tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,48 @@
+"""Runs SGLang's own `sglang.launch_server` and takes the whole server down with its starter.
+
+    <sglang python> trainer/sglang_server.py --parent-pid PID -- <launch_server arguments>
+
+Runs in the SGLang environment's interpreter, so it imports nothing from posttrain. The server is
+started in a process group of its own (by `trainer.sglang`); a thread here polls PID and, once that
+process is gone (finished, crashed or SIGKILLed, so it could not stop the server itself), kills the
+whole group: the HTTP server and SGLang's scheduler and detokenizer processes. Nothing outlives the
+pipeline that started it.
+"""
+
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+
+def _watch(parent_pid: int, every_s: float = 1.0) -> None:
+    while True:
+        time.sleep(every_s)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            print(f"posttrain: the process that started this server ({parent_pid}) is gone; stopping",
+                  file=sys.stderr, flush=True)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        except PermissionError:
+            pass  # alive, under another user
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if len(args) < 3 or args[0] != "--parent-pid" or args[2] != "--":
+        raise SystemExit("usage: sglang_server.py --parent-pid PID -- <sglang.launch_server arguments>")
+    parent = int(args[1])
+    # run as a script, this file's folder (trainer/) is first on sys.path: keep its modules out of
+    # SGLang's imports
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
+    threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+    sys.argv = ["sglang.launch_server", *args[3:]]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
