@@ -32,7 +32,7 @@ def launch_sglang(cfg, sft: dict):
     from trainer.sglang import SGLangEngine
 
     path = model_dir(sft)
-    return SGLangEngine.from_config(cfg.rollout.sglang, str(path), load_tokenizer(path))
+    return SGLangEngine.from_config(cfg.rollout.sglang, str(path), load_tokenizer(path), cfg.model.dtype)
 
 
 def with_sglang_urls(cfg, urls: list[str]):
@@ -48,7 +48,13 @@ def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
     engine = None
     if cfg.rollout.engine == "sglang":
         engine = launch_sglang(cfg, sft)
-    trainer = GRPOTrainer(cfg, model, tok, load_split(data, "train"), load_split(data, "test"), work, logger, engine)
+    try:
+        trainer = GRPOTrainer(cfg, model, tok, load_split(data, "train"), load_split(data, "test"), work, logger,
+                              engine)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise
     if trainer.resumed_from is not None:
         prefect_logger().info("grpo: resuming from the checkpoint at round %d", trainer.resumed_from)
         logger.set_tags({"resumed_from_round": trainer.resumed_from})
@@ -103,7 +109,6 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     logger.log_metrics(metrics)
     logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0
     logger.log_artifact(work / "model", "model")
-    trainer.engine.close()
     return {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
             "resumed_from_round": trainer.resumed_from}
 
@@ -120,18 +125,22 @@ def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, a
         # the trainer and batches are live objects: quote() keeps Prefect from walking into them
         return step(*(a if isinstance(a, int) else quote(a) for a in args))
 
-    while not trainer.done():
-        r = trainer.round + 1
-        batch = call(rollout, trainer, r)
-        batch = call(reward, trainer, batch, r)
-        faults.check("grpo_mid_round", r, fault)
-        call(update, trainer, batch, r)
-        faults.check("grpo_after_update", r, fault)
-        if trainer.round % cfg.grpo.sample_table_every == 0:
-            logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
-        if trainer.should_eval():
-            call(periodic_eval, trainer, r)
-        if trainer.should_checkpoint():
-            call(save_checkpoint, trainer, r)
-        faults.check("grpo_round", r, fault)
-    return finish(trainer, work, logger)
+    try:
+        while not trainer.done():
+            r = trainer.round + 1
+            batch = call(rollout, trainer, r)
+            batch = call(reward, trainer, batch, r)
+            faults.check("grpo_mid_round", r, fault)
+            call(update, trainer, batch, r)
+            faults.check("grpo_after_update", r, fault)
+            if trainer.round % cfg.grpo.sample_table_every == 0:
+                logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
+            if trainer.should_eval():
+                call(periodic_eval, trainer, r)
+            if trainer.should_checkpoint():
+                call(save_checkpoint, trainer, r)
+            faults.check("grpo_round", r, fault)
+        return finish(trainer, work, logger)
+    finally:
+        # servers this stage launched stop however it ends (a SIGKILL is the wrapper's job)
+        trainer.engine.close()

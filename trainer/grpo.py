@@ -167,6 +167,8 @@ class GRPOTrainer:
             self.seconds_before_resume = state.get("seconds", 0.0)
             self.resumed_from = self.round
             log.info("grpo: resumed at round %d", self.round)
+            # servers were started on the SFT weights: the next rollout must come from the checkpoint's
+            self.push_weights()
 
     # -- schedule
     def done(self) -> bool:
@@ -304,17 +306,21 @@ class GRPOTrainer:
         self._pending = stats
         return stats
 
+    def push_weights(self) -> None:
+        """Give an out-of-process rollout engine the policy's current weights (the HF engine shares them)."""
+        if isinstance(self.engine, HFEngine):
+            return
+        model_dir = self.work_dir / "sync"
+        ds.export_model(self.ds, self.tok, model_dir)
+        # the ranks share the servers: rank 0 reloads them once, the others wait for it
+        if ds.rank() == 0:
+            self.engine.update_weights(str(model_dir))
+        ds.barrier()
+
     def sync(self) -> float:
         """Push the new weights to the rollout engine; returns seconds spent."""
         t0 = time.perf_counter()
-        model_dir = None
-        if not isinstance(self.engine, HFEngine):
-            model_dir = self.work_dir / "sync"
-            ds.export_model(self.ds, self.tok, model_dir)
-            # the ranks share the servers: rank 0 reloads them once, the others wait for it
-            if ds.rank() == 0:
-                self.engine.update_weights(str(model_dir))
-            ds.barrier()
+        self.push_weights()
         seconds = time.perf_counter() - t0
         stats = getattr(self, "_pending", {})
         stats["time/sync_seconds"] = seconds
