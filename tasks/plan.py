@@ -7,7 +7,6 @@ DeepSpeed launcher's command line and ranks), and the SGLang server commands wit
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import shlex
 from pathlib import Path
@@ -61,7 +60,7 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
 def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
     """(the plan as text, the problems found). A run is safe to start when there are no problems."""
     from trainer.rollout import groups_per_chunk, groups_per_round
-    from trainer.sglang import launch_command, server_gpus
+    from trainer.sglang import check_server_python, launch_command, server_env, server_gpus
 
     problems: list[str] = []
     notes: list[str] = []
@@ -122,11 +121,12 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
             lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
                          f"{r.sglang.gpus_per_server} GPU(s) each:")
             for i in range(r.sglang.num_servers):
-                cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i)
-                lines.append(f"  $ CUDA_VISIBLE_DEVICES={server_gpus(r.sglang, i)} {shlex.join(cmd)}")
-            if importlib.util.find_spec("sglang") is None:
-                notes.append("sglang is not installed here: install the GPU extra (pip install '.[gpu]') on the "
-                             "machine that runs grpo")
+                cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i, cfg.model.dtype)
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.sglang, i).items())
+                lines.append(f"  $ {env} {shlex.join(cmd)}")
+            problem = check_server_python(r.sglang)
+            if problem:
+                notes.append(f"{problem} (on the machine that runs grpo)")
             train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
             server_set = {int(g) for i in range(r.sglang.num_servers) for g in server_gpus(r.sglang, i).split(",")}
             if train_gpus & server_set:

@@ -17,13 +17,26 @@ def dry(tmp_path, capsys, *extra: str) -> tuple[int, str]:
 
 
 def test_gpu_preset_one_gpu_plan(tmp_path, capsys):
-    code, out = dry(tmp_path, capsys)
+    code, out = dry(tmp_path, capsys)  # as on a fresh clone: hub model and hub data, nothing beside it
     assert code == 0, out
     assert "sft" in out and "runs in the task's process: 1 rank, zero_stage=2 precision=bf16" in out
-    assert "CUDA_VISIBLE_DEVICES=0" in out and "-m sglang.launch_server --model-path" in out
-    assert "data.train:" in out and "(found)" in out  # ../shared/data/gsm8k, checked
+    assert "CUDA_VISIBLE_DEVICES=0" in out and "sglang_server.py --parent-pid" in out and "--model-path" in out
+    assert "data: hub dataset openai/gsm8k" in out
     assert "hub name" in out
     assert not (tmp_path / "art").exists()  # nothing written
+
+
+def test_gpu_preset_offline_override(tmp_path, capsys):
+    """The documented offline form: GSM8K files on local disk (CI: ../shared/data/gsm8k)."""
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text('{"question": "1+1?", "answer": "1+1=2\\n#### 2"}\n')
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    code, out = dry(tmp_path, capsys, "--set", "data.source=files", "--set", f"data.train={tmp_path / 'train.jsonl'}",
+                    "--set", f"data.test={tmp_path / 'test.jsonl'}", "--set", f"model.pretrained={model}")
+    assert code == 0, out
+    assert f"data.train: {tmp_path / 'train.jsonl'} (found)" in out and f"model.pretrained: {model} (found)" in out
 
 
 def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
@@ -38,11 +51,11 @@ def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, named", [
-    ("data.train=/no/such/train.jsonl", "data.train: '/no/such/train.jsonl' does not exist"),
+    ("data.source=files data.train=/no/such/train.jsonl", "data.train: '/no/such/train.jsonl' does not exist"),
     ("model.pretrained=./no-such-model", "model.pretrained: './no-such-model' is not a model folder"),
 ])
 def test_dry_run_names_bad_paths(tmp_path, capsys, override, named):
-    code, out = dry(tmp_path, capsys, "--set", override)
+    code, out = dry(tmp_path, capsys, *[a for o in override.split() for a in ("--set", o)])
     assert code == 2
     assert f"PROBLEM: {named}" in out
     assert not (tmp_path / "art").exists()
