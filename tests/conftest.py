@@ -13,6 +13,9 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ.pop("PREFECT_API_URL", None)  # no server configured: Prefect starts its temporary one
 os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"
+# a CLI run's temporary server creates its database first; on 2 busy cores that can exceed the
+# 20 s default
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
 os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "trainer"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # trainer/ also runs outside flows

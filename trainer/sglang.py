@@ -121,7 +121,10 @@ def server_env(cfg: SGLangConfig, i: int) -> dict[str, str]:
 
 
 def port_taken(host: str, port: int) -> bool:
+    """Whether a server could not listen on host:port. Binds as uvicorn does (SO_REUSEADDR), so the
+    closed connections of an earlier server on the port (TIME_WAIT) do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -1,0 +1,127 @@
+"""The tiny pipeline's GRPO stage with `rollout.engine=sglang`: the real CLI, Prefect, MLflow, and
+SGLang servers (CPU mode) that the grpo task launches itself. However the run ends (success, an
+exception in a round, SIGKILL of the task's process), no server process is left and its port is
+free; after the SIGKILL a re-run resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.test_pipeline import SMALL
+from tests.test_resume_kill import run_cli as _run_cli
+from tests.test_sglang_server import STANDIN, free_base_port
+from trainer.sglang import port_taken
+
+pytestmark = pytest.mark.slow
+
+PORT = free_base_port(1)
+OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpoint_every="))] + [
+    "grpo.rounds=3", "grpo.checkpoint_every=1", "rollout.engine=sglang", "rollout.sglang.device=cpu",
+    f"rollout.sglang.base_port={PORT}", f"rollout.sglang.env={{PYTHONPATH: {STANDIN}}}",
+    "rollout.sglang.startup_timeout_s=300"]
+
+
+def run_cli(root: Path, out: Path, fault: str | None = None) -> int:
+    import tests.test_resume_kill as rk
+
+    saved = rk.OVERRIDES
+    rk.OVERRIDES = OVERRIDES
+    try:
+        return _run_cli(root, out, fault)[0]
+    finally:
+        rk.OVERRIDES = saved
+
+
+def server_processes() -> list[int]:
+    """Pids of any posttrain-launched SGLang server (the wrapper's command line) still alive."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(c.endswith(b"sglang_server.py") for c in cmd) and str(PORT).encode() in cmd:
+                pids.append(int(d.name))
+    return pids
+
+
+def assert_no_server_left(within_s: float = 15.0) -> float:
+    t0 = time.perf_counter()
+    while server_processes() or port_taken("127.0.0.1", PORT):
+        assert time.perf_counter() - t0 < within_s, f"SGLang server still up: pids {server_processes()}"
+        time.sleep(0.5)
+    return time.perf_counter() - t0
+
+
+def grpo_manifest(result: dict) -> dict:
+    s = next(x for x in result["stages"] if x["stage"] == "grpo")
+    return json.loads((Path(s["uri"]) / "manifest.json").read_text())
+
+
+def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
+    assert run_cli(tmp_path, tmp_path / "result.json") == 0
+    assert_no_server_left(within_s=5)
+    result = json.loads((tmp_path / "result.json").read_text())
+    m = grpo_manifest(result)
+    assert m["metrics"]["grpo/rounds"] == 3
+    client = MlflowClient()
+    run = client.get_run(m["source_run_id"])
+    assert run.data.tags["posttrain.stage"] == "grpo"
+    syncs = client.get_metric_history(run.info.run_id, "time/sync_seconds")
+    assert [h.step for h in syncs] == [1, 2, 3] and all(h.value > 0 for h in syncs)  # weights pushed each round
+    gen_tps = client.get_metric_history(run.info.run_id, "rollout/tokens_per_second")
+    assert len(gen_tps) == 3 and all(h.value > 0 for h in gen_tps)
+    print(f"\nSGLang rounds: " + ", ".join(
+        f"{k.split('/')[1]} {sum(h.value for h in client.get_metric_history(run.info.run_id, k)) / 3:.2f}s"
+        for k in ("time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds",
+                  "time/round_seconds")))
+
+
+def test_exception_mid_round_stops_the_servers(tmp_path):
+    code = run_cli(tmp_path, tmp_path / "result.json", fault="grpo_mid_round@2:raise")
+    assert code != 0
+    assert "injected fault at grpo_mid_round 2" in (tmp_path / "result.log").read_text()
+    assert_no_server_left(within_s=5)
+
+
+def test_sigkill_mid_grpo_leaves_no_server_and_rerun_resumes(tmp_path):
+    code = run_cli(tmp_path, tmp_path / "killed.json", fault="grpo_after_update@2:kill")
+    assert code == -signal.SIGKILL
+    seconds = assert_no_server_left(within_s=15)
+    print(f"\nservers gone {seconds:.1f}s after the CLI's SIGKILL")
+    work = next((tmp_path / "grpo").iterdir())
+    assert not (work / "manifest.json").exists()
+    from trainer import checkpoint
+
+    assert checkpoint.committed_tags(work / "checkpoints")[-1].endswith("1")
+    state = torch_load_client_state(work / "checkpoints" / checkpoint.committed_tags(work / "checkpoints")[-1])
+
+    assert run_cli(tmp_path, tmp_path / "resumed.json") == 0
+    assert_no_server_left(within_s=5)
+    m = grpo_manifest(json.loads((tmp_path / "resumed.json").read_text()))
+    assert m["resumed_from_round"] == 1 and m["metrics"]["grpo/rounds"] == 3
+    history = [json.loads(x) for x in (work / "history.jsonl").read_text().splitlines()]
+    assert [h["round"] for h in history] == [1, 2, 3]  # round 1 from the checkpoint, 2 and 3 re-run once
+    # round 1 is the checkpoint's record, not a re-run of it; the checkpoint held the data position
+    assert state["step"] == 1 and history[:1] == state["history"]
+    assert state["manager"]["buffer"]["pos"] > 0
+
+
+def torch_load_client_state(tag_dir: Path) -> dict:
+    """The client state (round, data position, carry, history) a GRPO checkpoint holds."""
+    import torch
+
+    files = sorted(tag_dir.glob("*client*")) + sorted(tag_dir.glob("*model_states.pt"))
+    for f in files:
+        blob = torch.load(f, map_location="cpu", weights_only=False)
+        if isinstance(blob, dict) and "manager" in blob:
+            return blob
+    raise AssertionError(f"no client state in {tag_dir}: {[f.name for f in tag_dir.iterdir()]}")
