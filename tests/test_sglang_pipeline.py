@@ -73,8 +73,11 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
     m = grpo_manifest(result)
     assert m["metrics"]["grpo/rounds"] == 3
     client = MlflowClient()
-    run = client.get_run(m["source_run_id"])
-    assert run.data.tags["posttrain.stage"] == "grpo"
+    parent = client.get_run(result["mlflow_run_id"])
+    runs = client.search_runs([parent.info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`posttrain.stage` = 'grpo'")
+    assert len(runs) == 1
+    run = runs[0]
     syncs = client.get_metric_history(run.info.run_id, "time/sync_seconds")
     assert [h.step for h in syncs] == [1, 2, 3] and all(h.value > 0 for h in syncs)  # weights pushed each round
     gen_tps = client.get_metric_history(run.info.run_id, "rollout/tokens_per_second")
