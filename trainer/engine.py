@@ -41,8 +41,22 @@ def init_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    skip_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed from JIT-building its CPU shared-memory all-reduce when a group starts.
+
+    The build runs under torch's lock file in ~/.cache/torch_extensions; a process killed while it
+    holds that lock (a SIGKILLed run, a rank the supervisor stops) leaves the file behind, and every
+    later run on the machine then waits for it forever. The op serves only DeepSpeed's
+    inference_all_reduce, which training never calls, so without it nothing changes but the wait.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def rank() -> int:
