@@ -159,6 +159,7 @@ class GRPOTrainer:
         self.started = time.perf_counter()
         self.seconds_before_resume = 0.0
         self.resumed_from: int | None = None
+        self._pending: dict[str, float] = {}  # the last update's stats, recorded by sync()
         state = checkpoint.load_latest(self.ds, self.ckpt_dir)
         if state is not None:
             self.round = state["step"]
@@ -210,8 +211,9 @@ class GRPOTrainer:
                     advs.append(adv)
         if not samples:
             log.warning("grpo round %d: no usable samples after filtering; skipping the update", self.round)
-            stats.update({"time/update_seconds": time.perf_counter() - t0, "update/skipped": 1.0})
-            self.history.append({"round": float(self.round), **stats})
+            stats.update({"time/update_seconds": time.perf_counter() - t0, "update/skipped": 1.0,
+                          "update/optimizer_steps": 0})
+            self._pending = stats  # sync() records the round, this one's own stats
             return stats
         packed = pack(samples, advs, self.tok.pad_token_id)
         module = self.ds.module
@@ -252,13 +254,18 @@ class GRPOTrainer:
                 mine = idx[rank * share : (rank + 1) * share]
                 n_micro = max(1, math.ceil(share / mb))
                 micro = [mine[i * mb : (i + 1) * mb] for i in range(n_micro)]
+                # DeepSpeed scales each backward by 1 / its accumulation steps, and left alone it
+                # steps when its never-reset micro-step counter hits a multiple of them: with a
+                # micro-batch count that changes between mini-batches that lands mid-mini-batch.
+                # The boundary is set explicitly so the step falls on this mini-batch's last one.
                 self.ds.set_train_batch_size(mb * n_micro * world)
                 sel = torch.tensor(idx)
                 if g.loss_agg == "token-mean":
                     norm = float(mask[sel].sum().clamp(min=1))
                 else:
                     norm = float(len(idx))
-                for part_idx in micro:
+                for k, part_idx in enumerate(micro):
+                    self.ds.set_gradient_accumulation_boundary(k == n_micro - 1)
                     weight = 1.0 if part_idx else 0.0
                     part_idx = part_idx or idx[:1]
                     part = _slice(packed, part_idx)
@@ -322,7 +329,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         self.push_weights()
         seconds = time.perf_counter() - t0
-        stats = getattr(self, "_pending", {})
+        stats, self._pending = self._pending, {}
         stats["time/sync_seconds"] = seconds
         stats["time/round_seconds"] = sum(stats.get(f"time/{k}_seconds", 0.0) for k in ("generate", "reward", "update", "sync"))
         stats["time/grpo_elapsed"] = self.elapsed()

@@ -1,0 +1,236 @@
+"""GRPOTrainer.update() checked from outside, on batches built by hand.
+
+- optimizer steps land on the last micro-batch of every mini-batch whatever a round's group count
+  (DeepSpeed's own step counter), and resume stays exact across rounds with different counts;
+- a skipped round records its own stats, once;
+- the loss, its gradient norm and the direction of the first AdamW step match a per-sequence
+  computation written here independently of pack/_slice/micro-batching: TIS, every loss
+  aggregation, the entropy term and each KL estimator;
+- a problem small enough to learn in seconds: the reward rises.
+"""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.data import synthetic
+from trainer.grpo import GRPOTrainer
+from trainer.model import build_model
+from trainer.rollout import Group, RolloutBatch, Sample
+
+MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.num_heads=2"]
+
+
+def make_cfg(*extra: str):
+    return load_config("tiny", MODEL + ["grpo.eval_every=1000", "grpo.checkpoint_every=1000",
+                                        "rollout.temperature=0.7", *extra])
+
+
+def make_trainer(cfg, tok, work, seed: int = 0) -> GRPOTrainer:
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 20, "n_test": 2}), 0)
+    return GRPOTrainer(cfg, build_model(cfg.model, tok, seed), tok, data.train, data.test, work)
+
+
+def make_batch(round_: int, n_groups: int, group_size: int, vocab: int, seed: int) -> RolloutBatch:
+    """Groups of random prompts/responses of uneven lengths with rewards that differ in each group."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
+        for _ in range(group_size):
+            r = rng.randint(1, 7)
+            samples.append(Sample(example_index=g, prompt_ids=prompt, response_ids=[rng.randrange(3, vocab) for _ in range(r)],
+                                  engine_logprobs=[rng.uniform(-7.0, -4.0) for _ in range(r)], text="",
+                                  finish_reason="length", reward=rng.random()))
+        groups.append(Group(g, samples, round_))
+    return RolloutBatch(round_, groups, {})
+
+
+def step_pattern(n_samples: int, mini_batches: int, micro: int) -> list[bool]:
+    """For each backward pass: should an optimizer step follow it (one rank, one epoch)."""
+    size = math.ceil(n_samples / mini_batches)
+    out = []
+    for m in range(mini_batches):
+        k = len(range(n_samples)[m * size:(m + 1) * size])
+        if k:
+            n_micro = max(1, math.ceil(k / micro))
+            out += [False] * (n_micro - 1) + [True]
+    return out
+
+
+# ---------------------------------------------------------------- accumulation boundaries
+
+GROUP_COUNTS = [3, 2, 3, 5, 1]  # 12, 8, 12, 20, 4 samples: 3, 2, 3, 5, 1 micro-batches per mini-batch
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_optimizer_steps_land_at_mini_batch_ends_whatever_the_group_count(tiny_tokenizer, tmp_path, zero_stage):
+    cfg = make_cfg("grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3",
+                   f"grpo.deepspeed.zero_stage={zero_stage}")
+    trainer = make_trainer(cfg, tiny_tokenizer, tmp_path)
+    stepped: list[bool] = []
+    step = trainer.ds.step
+
+    def spy():
+        before = trainer.ds.global_steps
+        step()
+        stepped.append(trainer.ds.global_steps == before + 1)
+
+    trainer.ds.step = spy
+    for r, groups in enumerate(GROUP_COUNTS, start=1):
+        stepped.clear()
+        stats = trainer.update(make_batch(r, groups, 4, len(tiny_tokenizer), seed=r))
+        trainer.sync()
+        assert stepped == step_pattern(groups * 4, 2, 2), f"round {r} ({groups} groups)"
+        assert stats["update/optimizer_steps"] == 2
+    assert trainer.ds.global_steps == 2 * len(GROUP_COUNTS)
+
+
+def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenizer, tmp_path):
+    cfg = make_cfg("grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3", "grpo.epochs=2")
+    vocab = len(tiny_tokenizer)
+    full = make_trainer(cfg, tiny_tokenizer, tmp_path / "full")
+    for r, groups in enumerate(GROUP_COUNTS, start=1):
+        full.update(make_batch(r, groups, 4, vocab, seed=r))
+        full.sync()
+    first = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
+    for r, groups in enumerate(GROUP_COUNTS[:3], start=1):
+        first.update(make_batch(r, groups, 4, vocab, seed=r))
+        first.sync()
+    first.save()  # after round 3: 3 + 2 + 3 micro-batches per mini-batch so far
+    resumed = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
+    assert resumed.resumed_from == 3
+    for r, groups in enumerate(GROUP_COUNTS[3:], start=4):
+        resumed.update(make_batch(r, groups, 4, vocab, seed=r))
+        resumed.sync()
+    assert resumed.state_hash() == full.state_hash()
+
+
+# ---------------------------------------------------------------- a skipped round
+
+def test_a_skipped_round_logs_its_own_stats_once(tiny_tokenizer, tmp_path):
+    trainer = make_trainer(make_cfg("grpo.micro_batch_size=4"), tiny_tokenizer, tmp_path)
+    trainer.update(make_batch(1, 2, 4, len(tiny_tokenizer), seed=1))
+    trainer.sync()
+    empty = RolloutBatch(2, [], {"rollout/groups_used": 0.0})
+    stats = trainer.update(empty)
+    trainer.sync()
+    assert [h["round"] for h in trainer.history] == [1.0, 2.0]
+    second = trainer.history[1]
+    assert second["update/skipped"] == 1.0 and second["update/optimizer_steps"] == 0
+    assert second["rollout/groups_used"] == 0.0
+    assert "update/loss" not in second  # not round 1's numbers again
+    assert stats is not trainer.history[0]
+
+
+# ---------------------------------------------------------------- the objective, computed apart
+
+def expected_loss(model, reference, batch: RolloutBatch, g, temperature: float) -> torch.Tensor:
+    """The round's loss at its first step (policy == old policy), one sequence at a time."""
+    per_seq, per_seq_len = [], []
+    for group in batch.groups:
+        rewards = torch.tensor(group.rewards())
+        adv = rewards - rewards.mean()
+        if g.std_normalize:
+            adv = adv / (rewards.std() + 1e-6)
+        for s, a in zip(group.samples, adv.tolist()):
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            pos = torch.arange(p - 1, p - 1 + r)
+            target = torch.tensor(s.response_ids)
+            logits = model(input_ids=ids).logits[0].float() / temperature
+            logp_all = torch.log_softmax(logits, -1)[pos]
+            logp = logp_all[torch.arange(r), target]
+            old = logp.detach()
+            tis = torch.exp(old - torch.tensor(s.engine_logprobs))
+            tis = torch.clamp(tis, max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
+            tok = -a * torch.exp(logp - old) * tis  # ratio 1: inside the clip range
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logits = reference(input_ids=ids).logits[0].float() / temperature
+                ref = torch.log_softmax(ref_logits, -1)[pos][torch.arange(r), target]
+                d = ref - logp  # log(pi_ref / pi)
+                kl = {"k1": -d, "k2": 0.5 * d**2, "k3": torch.exp(d) - 1 - d}[g.kl_estimator]
+                tok = tok + g.kl_coef * kl
+            if g.entropy_coef:
+                ent = -(logp_all.exp() * logp_all).sum(-1)
+                tok = tok - g.entropy_coef * ent
+            per_seq.append(tok)
+            per_seq_len.append(r)
+    if g.loss_agg == "token-mean":
+        return torch.cat(per_seq).sum() / sum(per_seq_len)
+    if g.loss_agg == "seq-mean-token-sum":
+        return torch.stack([t.sum() for t in per_seq]).mean()
+    return torch.stack([t.mean() for t in per_seq]).mean()
+
+
+CASES = [
+    ["grpo.loss_agg=token-mean"],
+    ["grpo.loss_agg=seq-mean-token-sum", "grpo.tis_cap=null"],
+    ["grpo.loss_agg=seq-mean-token-mean", "grpo.entropy_coef=0.05"],
+    ["grpo.kl_coef=0.5", "grpo.kl_estimator=k1"],
+    ["grpo.kl_coef=0.5", "grpo.kl_estimator=k2", "grpo.std_normalize=false"],
+    ["grpo.kl_coef=0.5", "grpo.kl_estimator=k3", "grpo.entropy_coef=0.05", "grpo.loss_agg=seq-mean-token-mean"],
+]
+
+
+@pytest.mark.parametrize("extra", CASES, ids=lambda e: ",".join(o.split(".", 1)[1] for o in e))
+def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, extra):
+    # one mini-batch in 3 uneven micro-batches; no weight decay or clipping, so AdamW's first step
+    # is -lr * sign(gradient) wherever the gradient is not tiny
+    lr = 1e-3
+    cfg = make_cfg("grpo.mini_batches=1", "grpo.micro_batch_size=3", f"grpo.lr={lr}", "grpo.grad_clip=1e6",
+                   "grpo.weight_decay=0", "grpo.warmup_rounds=0", *extra)
+    trainer = make_trainer(cfg, tiny_tokenizer, tmp_path)
+    if trainer.reference is not None:  # a reference that differs from the policy: KL is not 0
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    batch = make_batch(1, 2, 4, len(tiny_tokenizer), seed=7)  # 8 sequences: 3 + 3 + 2
+    model = copy.deepcopy(trainer.ds.module).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = expected_loss(model, trainer.reference, batch, cfg.grpo, cfg.rollout.temperature)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    norm = torch.sqrt(sum((g_**2).sum() for g_ in grads.values()))
+
+    stats = trainer.update(batch)
+    assert stats["update/optimizer_steps"] == 1
+    assert stats["update/loss"] == pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-6)
+    assert stats["update/grad_norm"] == pytest.approx(float(norm), rel=1e-3)
+    after = dict(trainer.ds.module.named_parameters())
+    checked = 0
+    for n, g_ in grads.items():
+        big = g_.abs() > 1e-3 * g_.abs().max()
+        delta = (after[n].detach() - before[n])[big]
+        assert torch.allclose(delta, -lr * torch.sign(g_[big]), rtol=0.02, atol=lr * 0.02), n
+        checked += int(big.sum())
+    assert checked > 1000
+
+
+# ---------------------------------------------------------------- it learns
+
+def digit_share(response: str, example: dict) -> float:
+    """Reward for the learning test: the share of the response's characters that are digits."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def test_reward_rises_on_a_problem_learnable_in_seconds(tiny_tokenizer, tmp_path):
+    cfg = make_cfg("grpo.rounds=20", "grpo.lr=1e-2", "grpo.mini_batches=1", "grpo.micro_batch_size=32",
+                   "rollout.prompts_per_round=4", "rollout.n_samples_per_prompt=8", "rollout.over_sample=1",
+                   "rollout.dynamic_filter=none", "rollout.max_response_tokens=8", "rollout.temperature=1.0",
+                   "grpo.rewards=[{name: tests.test_grpo_update.digit_share}]")
+    trainer = make_trainer(cfg, tiny_tokenizer, tmp_path)
+    rewards = []
+    while not trainer.done():
+        trainer.update(trainer.score(trainer.rollout()))
+        trainer.sync()
+        rewards.append(trainer.history[-1]["reward/mean"])
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.2, rewards
