@@ -40,7 +40,7 @@ def evaluate(model: torch.nn.Module, tok: PreTrainedTokenizerBase, examples: lis
     t0 = time.perf_counter()
     with progress_bar("eval", total=len(prompts)) as bar:
         gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
-                        batch_size=cfg.batch_size, progress=bar)
+                        batch_size=cfg.batch_size, progress=bar, logprobs=False)
     rows = []
     for ex, g in zip(examples, gens):
         ok = is_correct(g.text, ex["answer"])

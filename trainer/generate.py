@@ -32,8 +32,14 @@ def generate(
     batch_size: int = 256,
     seed: int | None = None,
     progress=None,
+    logprobs: bool = True,
 ) -> list[Generation]:
-    """Greedy when temperature == 0, else sampling with temperature / top-p."""
+    """Greedy when temperature == 0, else sampling with temperature / top-p.
+
+    Log-probabilities are of the tempered distribution softmax(logits / T) without top-p
+    renormalisation, as SGLang returns them and as the trainer computes them (the importance
+    ratios compare like with like). `logprobs=False` (greedy eval) asks `generate` for no logits
+    at all: its memory then does not grow with vocabulary x new tokens."""
     was_training = model.training
     model.eval()
     out: list[Generation] = []
@@ -54,22 +60,23 @@ def generate(
         if generator_seed is not None:
             torch.manual_seed(generator_seed + start)
         kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                      eos_token_id=eos, return_dict_in_generate=True, output_logits=True)
+                      eos_token_id=eos, return_dict_in_generate=True, output_logits=logprobs)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
         gen = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
         new = gen.sequences[:, width:]
-        logits = torch.stack(gen.logits, dim=1).float()  # raw logits: [B, T, V]
-        if temperature > 0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        logp = torch.zeros(new.shape, dtype=torch.float32)
+        if logprobs:  # one step at a time: no [B, T, V] copy beside the raw logits generate keeps
+            for t, step in enumerate(gen.logits):
+                step = step.float() / temperature if temperature > 0 else step.float()
+                logp[:, t] = torch.log_softmax(step, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
         for r, i in enumerate(idx):
             toks = new[r].tolist()
             n = toks.index(eos) + 1 if eos in toks else len(toks)
             reason = "stop" if eos in toks[:n] else "length"
             body = toks[:n]
             results[i] = Generation(
-                prompt_ids=prompts[i], token_ids=body, logprobs=logp[r, :n].tolist(),
+                prompt_ids=prompts[i], token_ids=body, logprobs=logp[r, :n].tolist() if logprobs else [],
                 text=tok.decode(body, skip_special_tokens=True), finish_reason=reason,
             )
         if progress is not None:
