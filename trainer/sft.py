@@ -59,12 +59,20 @@ def collate(batch, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
-def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions whose target token has loss_mask 1."""
+def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   n_tokens: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy summed over positions whose target token has loss_mask 1, divided
+    by `n_tokens` (default: this batch's count, i.e. the mean). Passing the whole global batch's
+    count makes micro-batches add up to its per-token mean, however their lengths differ."""
     targets = input_ids[:, 1:]
     weights = loss_mask[:, 1:].float()
     nll = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none")
-    return (nll * weights.flatten()).sum() / weights.sum().clamp(min=1.0)
+    return (nll * weights.flatten()).sum() / (n_tokens if n_tokens is not None else weights.sum().clamp(min=1.0))
+
+
+def target_tokens(example) -> int:
+    """Tokens an encoded example is trained to predict (its first token is never a target)."""
+    return sum(example.loss_mask[1:])
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -129,24 +137,31 @@ def train_sft(
             if s.max_seconds is not None and ds.any_rank(time.perf_counter() - t0 > s.max_seconds):
                 log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
                 break
-            losses = []
+            # the step's global batch: grad_accum micro-batches on each rank
+            global_mb = per_rank * world
+            micro = []
             for _ in range(s.grad_accum):
-                global_mb = per_rank * world
                 if pos + global_mb > len(order):
                     epoch, pos = epoch + 1, 0
                     order = epoch_order(len(data), cfg.seed, epoch)
-                idx = order[pos + rank * per_rank: pos + (rank + 1) * per_rank]
+                micro.append(order[pos: pos + global_mb])
                 pos += global_mb
+            # one per-token mean over the whole global batch: a micro-batch of short answers
+            # weighs by its tokens, not as much as one of long answers
+            n_tokens = max(sum(target_tokens(data[i]) for idx in micro for i in idx), 1)
+            losses = []
+            for everyone in micro:
+                idx = everyone[rank * per_rank: (rank + 1) * per_rank]
                 batch = collate([data[i] for i in idx], tok.pad_token_id)
                 out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"])
-                engine.backward(loss)
+                loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"], n_tokens)
+                # DeepSpeed divides by its accumulation steps and averages over ranks
+                engine.backward(loss * s.grad_accum * world)
                 engine.step()
                 losses.append(loss.item())
                 tok_t0 += int(batch["attention_mask"].sum()) * world
             step += 1
-            # the global batch's loss: each rank's micro-batch means, averaged over ranks
-            loss_value = ds.sum_across_ranks([sum(losses) / len(losses)])[0] / world
+            loss_value = ds.sum_across_ranks([sum(losses)])[0]
             bar.update(1, loss=loss_value)
             if step % s.log_every == 0 or step == total:
                 elapsed = time.perf_counter() - t0
