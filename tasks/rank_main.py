@@ -18,18 +18,32 @@ import time
 from pathlib import Path
 
 
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited: no such process, or a zombie its own parent has not reaped yet
+    (kill(pid, 0) still succeeds on a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, under another user
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): kill(pid, 0) is all there is
+
+
 def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
     """Exit if the supervising task's process is gone (killed outright, so it could not stop us):
     the launcher then sees this rank fail and stops the others. No rank outlives its task."""
     while True:
         time.sleep(every_s)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            print(f"the supervising process {pid} is gone; this rank exits", file=sys.stderr, flush=True)
-            os._exit(3)
-        except PermissionError:
-            pass  # alive, under another user
+        if _gone(pid):
+            try:  # stderr may be a pipe that died with the supervisor: exit however the write goes
+                print(f"the supervising process {pid} is gone; this rank exits", file=sys.stderr, flush=True)
+            finally:
+                os._exit(3)
 
 
 def run_body(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
