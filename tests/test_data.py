@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -129,13 +130,40 @@ def test_not_json(tmp_path):
         prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
 
 
-def test_real_gsm8k_sample(tmp_path):
-    """The shipped GSM8K files parse with the GPU preset's field mapping."""
-    from pathlib import Path
+GSM8K = Path(__file__).parent / "data" / "gsm8k"
 
-    src = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-    if not src.exists():
-        pytest.skip("../shared/data/gsm8k not present beside this checkout")
-    data = prepare(DataConfig(source="files", train=str(src), test=str(src), max_train=50, max_test=20), seed=0)
+
+def test_real_gsm8k_sample():
+    """Real GSM8K rows parse with the GPU preset's field mapping; ids carry no machine path."""
+    cfg = DataConfig(source="files", train=str(GSM8K / "train.jsonl"), test=str(GSM8K / "test.jsonl"),
+                     max_train=50, max_test=20)
+    data = prepare(cfg, seed=0)
     assert len(data.train) == 50 and len(data.test) == 20
     assert all(re.fullmatch(r"-?[\d.]+", ex["answer"]) for ex in data.train)
+    assert data.train[0]["id"] == "train-1" and data.test[19]["id"] == "test-20"
+    assert data.train[0]["answer"] == "72"
+    assert "<<48/2=24>>" in data.train[0]["messages"][-1]["content"]  # kept by default
+
+
+def test_ids_do_not_depend_on_where_the_file_lives(tmp_path):
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "gsm8k.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(GSM8K / "test.jsonl", moved)
+    here = prepare(DataConfig(source="files", train=str(GSM8K / "test.jsonl"), test_size=5), seed=0)
+    there = prepare(DataConfig(source="files", train=str(moved), test_size=5), seed=0)
+    assert [e["id"] for e in here.train + here.test] == [e["id"] for e in there.train + there.test]
+    assert not any(str(tmp_path) in e["id"] or "/" in e["id"] for e in there.train + there.test)
+
+
+def test_calculator_annotations_can_be_stripped():
+    cfg = DataConfig(source="files", train=str(GSM8K / "train.jsonl"), test=str(GSM8K / "test.jsonl"),
+                     max_train=300, max_test=5, calculator_annotations="strip")
+    data = prepare(cfg, seed=0)
+    first = data.train[0]["messages"][-1]["content"]
+    assert first == ("Natalia sold 48/2 = 24 clips in May.\n"
+                     "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
+    assert not any("<<" in ex["messages"][-1]["content"] for ex in data.train)
+    kept = prepare(cfg.model_copy(update={"calculator_annotations": "keep"}), seed=0)
+    assert [e["answer"] for e in kept.train] == [e["answer"] for e in data.train]  # gold answers unchanged

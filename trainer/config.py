@@ -75,6 +75,9 @@ class DataConfig(Strict):
     max_train: int | None = Field(None, ge=1)
     max_test: int | None = Field(None, ge=1)
     system_prompt: str | None = None
+    calculator_annotations: Literal["keep", "strip"] = Field(
+        "keep", description="GSM8K-style '<<48/2=24>>' in answers: keep them in the SFT targets, or strip them"
+    )
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="error: stop at the first malformed row; skip: drop and count it"
     )

@@ -17,6 +17,7 @@ from trainer.config import DataConfig, SyntheticData
 from trainer.errors import InputError
 
 ANSWER_RE = re.compile(r"####\s*(.+?)\s*$", re.S)
+CALCULATOR_RE = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotations, e.g. <<48/2=24>>
 
 
 class DataError(InputError):
@@ -133,10 +134,14 @@ def _storage_options(path: str) -> dict[str, Any] | None:
     return storage_options(path) or None
 
 
-def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig) -> dict[str, Any]:
-    """One raw row -> example; raises DataError naming the file, row and field."""
+def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, which: str = "train") -> dict[str, Any]:
+    """One raw row -> example; raises DataError naming the file, row and field.
+
+    The id is the row's own `id` field, else `<split>-<row number>`: the same wherever the file
+    lives (a machine path would end up in MLflow tables and differ between machines)."""
     where = f"{label} row {index + 1}"
     f = cfg.fields
+    ex_id = str(row["id"]) if row.get("id") is not None else f"{which}-{index + 1}"
     if f.messages:
         msgs = row.get(f.messages)
         if not isinstance(msgs, list) or not msgs:
@@ -149,7 +154,9 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig) -> d
         if msgs[-1]["role"] != "assistant":
             raise DataError(f"{where}: field {f.messages!r} must end with an assistant message")
         final = _final_answer(msgs[-1]["content"], where, f.messages)
-        return {"id": str(row.get("id", f"{label}:{index}")), "messages": msgs, "answer": final}
+        if cfg.calculator_annotations == "strip":
+            msgs = msgs[:-1] + [{**msgs[-1], "content": strip_calculator(msgs[-1]["content"])}]
+        return {"id": ex_id, "messages": msgs, "answer": final}
     for name in (f.question, f.answer):
         value = row.get(name)
         if not isinstance(value, str) or not value.strip():
@@ -157,8 +164,15 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig) -> d
             raise DataError(f"{where}: field {name!r} is missing or empty (row has {present}); "
                             "set data.fields to the right column names or fix the row")
     final = _final_answer(row[f.answer], where, f.answer)
-    return make_example(str(row.get("id", f"{label}:{index}")), row[f.question].strip(),
-                        row[f.answer].strip(), final, cfg.system_prompt)
+    answer = row[f.answer].strip()
+    if cfg.calculator_annotations == "strip":
+        answer = strip_calculator(answer)
+    return make_example(ex_id, row[f.question].strip(), answer, final, cfg.system_prompt)
+
+
+def strip_calculator(text: str) -> str:
+    """'48/2 = <<48/2=24>>24 clips' -> '48/2 = 24 clips'."""
+    return CALCULATOR_RE.sub("", text)
 
 
 def _final_answer(text: str, where: str, field_name: str) -> str:
@@ -189,13 +203,13 @@ def extract_boxed(text: str) -> str | None:
 
 
 def _normalise_all(label: str, rows: Iterable[dict], cfg: DataConfig, limit: int | None,
-                   skipped: list[str]) -> list[dict[str, Any]]:
+                   skipped: list[str], which: str) -> list[dict[str, Any]]:
     out = []
     for i, row in enumerate(rows):
         if limit is not None and len(out) >= limit:
             break
         try:
-            out.append(normalise(label, i, row, cfg))
+            out.append(normalise(label, i, row, cfg, which))
         except DataError as exc:
             if cfg.on_bad_row == "error":
                 raise DataError(f"{exc} (or set data.on_bad_row=skip to drop such rows)") from None
@@ -215,11 +229,11 @@ def prepare(cfg: DataConfig, seed: int) -> PreparedData:
         return data
     skipped: list[str] = []
     label, rows = _load_rows(cfg, "train")
-    train = _normalise_all(label, rows, cfg, None, skipped)
+    train = _normalise_all(label, rows, cfg, None, skipped, "train")
     has_test = cfg.test is not None if cfg.source == "files" else cfg.hub_test_split is not None
     if has_test:
         tlabel, trows = _load_rows(cfg, "test")
-        test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped)
+        test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped, "test")
     else:
         if cfg.test_size >= len(train):
             raise DataError(f"data.test_size={cfg.test_size} leaves no training rows out of "
