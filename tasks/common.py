@@ -1,6 +1,7 @@
 """What every stage task shares: cache keys, the manifest commit, and MLflow tracking.
 
-A stage's cache key = hash(its config sections + seed, its inputs' manifest keys, code version).
+A stage's cache key = hash(the config fields that change its result + seed, its inputs' result
+keys, code version, the content of the files it reads): the table is in tasks/keys.py.
 Its outputs live in `<artifact_root>/<stage>/<key>/`, committed by `manifest.json` written last:
 a folder with a manifest is a finished result (a cache hit), one without is not. Keys live in the
 artifact store rather than in Prefect's local cache records so that a re-run on another machine
@@ -10,7 +11,6 @@ forces a recompute.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks.keys import RULES, code_version, extent, resolve
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -28,33 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
-@functools.cache
-def code_version() -> str:
-    """Hash of the pipeline's own source (trainer/ and tasks/): any change invalidates caches."""
-    h = hashlib.sha256()
-    for pkg in ("trainer", "tasks"):
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            h.update(f.relative_to(ROOT).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-# The config sections in each stage's cache key (eval's label varies: "eval", "eval (grpo)").
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "prepare_data": ("data",), "tokenizer": ("tokenizer",), "sft": ("model", "tokenizer", "sft"),
-    "grpo": ("rollout", "grpo"), "eval": ("eval",),
-}
-
-
-def stage_key(cfg: RunConfig, stage: str, sections: tuple[str, ...], inputs: dict[str, dict | None]) -> str:
-    payload = {
-        "stage": stage,
-        "config": cfg.section_hash(*sections),
-        "seed": cfg.seed,
-        "inputs": {k: (v or {}).get("key") for k, v in sorted(inputs.items())},
-        "code": code_version(),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+# The config sections each stage logs and records (eval's label varies: "eval", "eval (grpo)");
+# which of their fields are keyed, and what is keyed by content, is tasks/keys.py's table.
+SECTIONS: dict[str, tuple[str, ...]] = {name: rule.sections for name, rule in RULES.items()}
 
 
 # ---------------------------------------------------------------- tracking
@@ -183,10 +160,13 @@ def run_stage(
     `body(work_dir, logger)` writes its files into work_dir and returns {"metrics": {...}, ...};
     the runner uploads the folder (for s3:// roots) and commits the manifest last."""
     log = prefect_logger()
-    key = stage_key(cfg, stage, sections, inputs)
-    folder = storage.join(cfg.artifact_root, stage, key)
     t0 = time.perf_counter()
-    manifest = storage.read_manifest(folder)
+    where = resolve(cfg, stage, inputs)
+    key, folder, manifest = where.key, where.folder, where.manifest
+    if where.continues_from is not None:
+        log.info("%s: continuing the result at %s from %d to %d (its last checkpoint)", stage, folder,
+                 where.continues_from, extent(cfg, stage))
+        storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
     if manifest is not None and stage in ref.recompute:
         log.warning("%s: recompute requested; discarding the cached result at %s", stage, folder)
         storage.remove(folder)
@@ -220,7 +200,7 @@ def run_stage(
         "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
-        **extra,
+        "extent": extent(cfg, stage), **extra,
     }
     storage.commit_manifest(folder, manifest)
     logger.log_metrics({f"{stage}/wall_seconds": wall})

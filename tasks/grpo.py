@@ -19,7 +19,7 @@ from prefect.utilities.annotations import quote
 from tasks.common import prefect_logger
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
-from trainer import engine as ds
+from trainer import checkpoint, engine as ds
 from trainer import faults
 from trainer.grpo import GRPOTrainer
 from trainer.model import load_model
@@ -96,6 +96,9 @@ def save_checkpoint(trainer: GRPOTrainer, round_: int) -> None:
 
 
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
+    # a checkpoint at the last round: asking this stage for more rounds later continues from it
+    if checkpoint.tag_for(trainer.round) not in checkpoint.committed_tags(trainer.ckpt_dir):
+        trainer.save()
     trainer.export(work / "model")
     if ds.rank() == 0:  # the other ranks' history has no evals (rank 0 runs them)
         (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))

@@ -11,7 +11,8 @@ import math
 import shlex
 from pathlib import Path
 
-from tasks.common import SECTIONS, stage_key, work_dir_for
+from tasks.common import work_dir_for
+from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
 from trainer.model import pretrained_kind
@@ -80,14 +81,20 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
     manifests: dict[str, dict | None] = {}
 
     def stage(name: str, inputs: dict[str, dict | None]) -> str:
-        key = stage_key(cfg, name, SECTIONS[name], inputs)
-        folder = storage.join(cfg.artifact_root, name, key)
         try:
-            cached = storage.read_manifest(folder) is not None
-        except Exception:  # an unreachable S3 root was reported above
-            cached = False
+            where = resolve(cfg, name, inputs)
+        except Exception:  # an unreachable S3 root, a missing file: reported above
+            from tasks.keys import result_key, stage_key
+
+            folder_key = stage_key(cfg, name, inputs)
+            where = None
+            key, folder, state = result_key(cfg, name, folder_key), storage.join(cfg.artifact_root, name, folder_key), "will run"
+        if where is not None:
+            key, folder = where.key, where.folder
+            state = ("cached" if where.manifest is not None else
+                     f"will continue from {where.continues_from}" if where.continues_from is not None else "will run")
         manifests[name] = {"key": key}
-        lines.append(f"{name:<13} {folder}  ({'cached' if cached else 'will run'})")
+        lines.append(f"{name:<13} {folder}  ({state})")
         return folder
 
     stage("prepare_data", {})

@@ -124,6 +124,7 @@ def train_sft(
     epoch, pos = (state["epoch"], state["pos"]) if state else (0, 0)
     tokens_seen = state["tokens_seen"] if state else 0
     resumed = step if state else None
+    seconds_before = state.get("seconds", 0.0) if state else 0.0  # max_seconds spans resumes
     if state is None:
         torch.manual_seed(cfg.seed)
 
@@ -134,7 +135,7 @@ def train_sft(
     engine.train()
     with progress_bar("sft", total=total, completed=step, enabled=rank == 0) as bar:
         while step < total:
-            if s.max_seconds is not None and ds.any_rank(time.perf_counter() - t0 > s.max_seconds):
+            if s.max_seconds is not None and ds.any_rank(seconds_before + time.perf_counter() - t0 > s.max_seconds):
                 log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
                 break
             # the step's global batch: grad_accum micro-batches on each rank
@@ -175,8 +176,8 @@ def train_sft(
                 }, step=step)
             faults.check("sft", step, {"sft": fault_at_step} if fault_at_step else None)
             if step % s.checkpoint_every == 0 and step < total:
-                checkpoint.save(engine, ckpt_dir, step, {"epoch": epoch, "pos": pos,
-                                                         "tokens_seen": tokens_seen + tok_t0})
+                checkpoint.save(engine, ckpt_dir, step, {"epoch": epoch, "pos": pos, "tokens_seen": tokens_seen + tok_t0,
+                                                         "seconds": seconds_before + time.perf_counter() - t0})
     elapsed = time.perf_counter() - t0
     result = SFTResult(
         steps=step, final_loss=loss_value, tokens_per_second=tok_t0 / max(elapsed, 1e-9),

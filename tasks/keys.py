@@ -1,0 +1,222 @@
+"""Cache keys: one table of what each stage's result depends on.
+
+A stage's key = hash(the config fields that change its result, the seed, its inputs' result keys,
+the pipeline's code version, and the content of what it reads from outside: data files, a
+pretrained model folder, a custom reward's module, a reward-model folder). Fields that only say
+how or where the work runs (timeouts, ports, server addresses, logging and checkpoint cadence) are
+left out, so changing them reuses the result.
+
+GRPO's round count is left out of its folder's key: asking for more rounds continues from the
+last checkpoint in that folder instead of training again from SFT. Its result key (what
+downstream stages and the manifest carry) still counts the rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer import storage
+from trainer.config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_version() -> str:
+    """Hash of the pipeline's own source (trainer/ and tasks/): any change invalidates caches."""
+    h = hashlib.sha256()
+    for pkg in ("trainer", "tasks"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(f.relative_to(ROOT).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- content fingerprints
+
+_memo: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    memo_key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if memo_key not in _memo:
+        _memo[memo_key] = storage.file_sha256(path)
+    return _memo[memo_key]
+
+
+def fingerprint(ref: str | None) -> str | None:
+    """What a data file or model folder holds, not what it is called.
+
+    Local files and folders: sha256 of every file (memoised by path, size and mtime). s3:// and
+    other remote URIs: each object's ETag and size (the store's own content hash). A hub name is
+    kept as is: its content cannot be read without the hub."""
+    if not ref:
+        return None
+    if storage.is_remote(ref):
+        try:
+            fs, path = storage.fs_for(ref)
+            info = fs.info(path)
+            objects = [info] if info.get("type") != "directory" else sorted(
+                fs.find(path, detail=True).values(), key=lambda i: i["name"])
+        except Exception:  # missing or unreachable: the stage that reads it says so, by field
+            return f"unreadable:{ref}"
+        return hashlib.sha256(json.dumps(
+            [(i["name"][len(path):], i.get("ETag") or i.get("etag") or i.get("md5"), i.get("size")) for i in objects]
+        ).encode()).hexdigest()[:16]
+    p = Path(ref).expanduser()
+    if p.is_file():
+        return _file_digest(p)[:16]
+    if p.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
+            h.update(f.relative_to(p).as_posix().encode() + b"\0" + _file_digest(f).encode())
+        return h.hexdigest()[:16]
+    return f"name:{ref}"  # a hub name (or a path that is not there: the stage itself reports that)
+
+
+def _data_content(cfg: RunConfig) -> dict[str, Any]:
+    d = cfg.data
+    return {"train": fingerprint(d.train), "test": fingerprint(d.test)} if d.source == "files" else {}
+
+
+def _model_content(cfg: RunConfig) -> dict[str, Any]:
+    return {"pretrained": fingerprint(cfg.model.pretrained)} if cfg.model.pretrained else {}
+
+
+def _reward_content(cfg: RunConfig) -> dict[str, Any]:
+    """Custom rewards by their module's source, reward models by their folder (built-in rewards are
+    part of the code version)."""
+    from trainer.rewards import BUILTIN
+
+    out = {}
+    for spec in cfg.grpo.rewards:
+        if spec.name in BUILTIN:
+            continue
+        if spec.name == "reward_model":
+            out[f"reward_model:{spec.path}"] = fingerprint(spec.path)
+            continue
+        module = spec.name.partition(":")[0] if ":" in spec.name else spec.name.rpartition(".")[0]
+        try:
+            origin = importlib.util.find_spec(module).origin
+        except (ImportError, AttributeError, ValueError):
+            origin = None  # the stage reports an unimportable reward by name
+        out[spec.name] = fingerprint(origin) if origin and os.path.isfile(origin) else None
+    return out
+
+
+# ---------------------------------------------------------------- the table
+
+@dataclass(frozen=True)
+class KeyRule:
+    sections: tuple[str, ...]
+    unkeyed: dict[str, str] = field(default_factory=dict)  # dotted field -> why it does not change the result
+    content: Callable[[RunConfig], dict[str, Any]] = lambda cfg: {}
+    extends: str | None = None  # a field whose increase continues the stage's result
+
+
+RULES: dict[str, KeyRule] = {
+    "prepare_data": KeyRule(("data",), content=_data_content),
+    "tokenizer": KeyRule(("tokenizer",)),
+    "sft": KeyRule(("model", "tokenizer", "sft"), unkeyed={
+        "sft.log_every": "how often metrics are logged",
+        "sft.checkpoint_every": "resume from any checkpoint is exact",
+        "sft.deepspeed.timeout_s": "how long the launch may take",
+    }, content=_model_content),
+    "grpo": KeyRule(("rollout", "grpo"), unkeyed={
+        "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
+        "grpo.checkpoint_every": "resume from any checkpoint is exact",
+        "grpo.sample_table_every": "how often sample tables are logged",
+        "grpo.eval_every": "periodic evals observe the policy; they do not change its weights",
+        "grpo.eval_examples": "periodic evals observe the policy",
+        "grpo.pass_k": "periodic evals observe the policy",
+        "grpo.deepspeed.timeout_s": "how long the launch may take",
+        "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
+    }, content=_reward_content, extends="grpo.rounds"),
+    "eval": KeyRule(("eval",)),
+}
+
+
+def rule_for(stage: str) -> KeyRule:
+    return RULES[stage.split(" ")[0]]  # "eval (grpo)" follows eval's rule
+
+
+def keyed_config(cfg: RunConfig, stage: str) -> dict[str, Any]:
+    """The stage's config sections without the fields that do not change its result."""
+    rule = rule_for(stage)
+    out = {s: cfg.to_dict()[s] for s in rule.sections}
+    for dotted in rule.unkeyed:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for p in parents:
+            node = node[p]
+        node.pop(leaf)
+    return out
+
+
+def _hash(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stage_key(cfg: RunConfig, stage: str, inputs: dict[str, dict | None]) -> str:
+    """The key of the stage's folder."""
+    return _hash({
+        "stage": stage,
+        "config": keyed_config(cfg, stage),
+        "content": rule_for(stage).content(cfg),
+        "seed": cfg.seed,
+        "inputs": {k: (v or {}).get("key") for k, v in sorted(inputs.items())},
+        "code": code_version(),
+    })
+
+
+def extent(cfg: RunConfig, stage: str) -> int | None:
+    """The value of the stage's `extends` field (GRPO: its rounds), else None."""
+    dotted = rule_for(stage).extends
+    if dotted is None:
+        return None
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return int(value)
+
+
+def result_key(cfg: RunConfig, stage: str, folder_key: str) -> str:
+    """The key of the stage's result: its folder's key, plus its extent where it has one."""
+    n = extent(cfg, stage)
+    return folder_key if n is None else _hash({"folder": folder_key, "extent": n})
+
+
+@dataclass
+class Resolved:
+    folder: str
+    key: str                    # the result key (the manifest's "key")
+    manifest: dict | None       # a committed result with this key, else None
+    continues_from: int | None  # a committed result of a smaller extent that this run extends
+
+
+def resolve(cfg: RunConfig, stage: str, inputs: dict[str, dict | None]) -> Resolved:
+    """Where the stage's result lives and whether it is there.
+
+    For a stage that extends (GRPO): the folder of its key holds one result of some round count.
+    The same count is a hit; fewer done there are continued in place; more done there means this
+    shorter run gets a folder of its own (named by its result key)."""
+    folder_key = stage_key(cfg, stage, inputs)
+    key = result_key(cfg, stage, folder_key)
+    folder = storage.join(cfg.artifact_root, stage, folder_key)
+    manifest = storage.read_manifest(folder)
+    if manifest is None or manifest.get("key") == key:
+        return Resolved(folder, key, manifest, None)
+    done = manifest.get("extent")
+    wanted = extent(cfg, stage)
+    if done is not None and wanted is not None and done < wanted:
+        return Resolved(folder, key, None, int(done))
+    folder = storage.join(cfg.artifact_root, stage, key)
+    return Resolved(folder, key, storage.read_manifest(folder), None)
