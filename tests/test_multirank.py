@@ -127,6 +127,9 @@ def test_grpo_two_ranks_match_one_rank(one_rank, two_rank_grpo):
         assert a["update/loss"] != 0.0 and a["reward/std"] > 0  # a real update, not an empty one
         for key in ("update/loss", "update/pg_loss", "update/clip_frac", "update/ratio_mean"):
             assert math.isclose(a[key], b[key], abs_tol=GRPO_LOSS_ATOL), (a["round"], key, a[key], b[key])
+        # AdamW would hide a gradient scaled by the rank count; the norm (before clipping) does not
+        assert math.isclose(a["update/grad_norm"], b["update/grad_norm"], rel_tol=1e-4), (
+            a["round"], a["update/grad_norm"], b["update/grad_norm"])
     # rank 0 ran the periodic evals of the 2-rank run
     assert [h["round"] for h in two if "eval/accuracy" in h] == [2, 4]
 

@@ -23,13 +23,16 @@ OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpo
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(root: Path, out: Path, fault: str | None = None, timeout: float = 600) -> tuple[int, float]:
+def run_cli(root: Path, out: Path, fault: str | None = None, timeout: float = 600,
+            overrides: list[str] | None = None, preset: str = "tiny") -> tuple[int, float]:
+    """`posttrain speedrun` in its own process (session); OVERRIDES unless others are given."""
     env = dict(os.environ)
     env.pop("POSTTRAIN_FAULT", None)
     if fault:
         env["POSTTRAIN_FAULT"] = fault
-    cmd = [sys.executable, "-m", "flows.cli", "speedrun", "--json", str(out), "--set", f"artifact_root={root}"]
-    for o in OVERRIDES:
+    cmd = [sys.executable, "-m", "flows.cli", "speedrun", "--preset", preset, "--json", str(out),
+           "--set", f"artifact_root={root}"]
+    for o in OVERRIDES if overrides is None else overrides:
         cmd += ["--set", o]
     t0 = time.perf_counter()
     # Output to a file, not a pipe: the killed CLI's orphaned children would hold a pipe open.

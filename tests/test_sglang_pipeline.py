@@ -29,14 +29,7 @@ OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpo
 
 
 def run_cli(root: Path, out: Path, fault: str | None = None) -> int:
-    import tests.test_resume_kill as rk
-
-    saved = rk.OVERRIDES
-    rk.OVERRIDES = OVERRIDES
-    try:
-        return _run_cli(root, out, fault)[0]
-    finally:
-        rk.OVERRIDES = saved
+    return _run_cli(root, out, fault, overrides=OVERRIDES)[0]
 
 
 def server_processes() -> list[int]:
