@@ -196,9 +196,7 @@ class SGLangEngine:
             problem = check_server_python(cfg)
             if problem:
                 raise SGLangError(problem)
-            engine = cls.__new__(cls)
-            engine.servers, engine.tok, engine.timeout = [], tok, cfg.request_timeout_s
-            engine._session = requests.Session()
+            servers: list[_Server] = []
             try:
                 for i in range(cfg.num_servers):
                     port = cfg.base_port + i
@@ -209,10 +207,12 @@ class SGLangEngine:
                     log.info("launching SGLang: %s", " ".join(cmd))
                     proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                    engine.servers.append(_Server(f"http://{cfg.host}:{port}", proc))
+                    servers.append(_Server(f"http://{cfg.host}:{port}", proc))
             except BaseException:
-                engine.close()
+                for s in servers:  # the ones already started
+                    s.stop()
                 raise
+            engine = cls(servers, tok, cfg.request_timeout_s)
         else:
             raise SGLangError("rollout.sglang: urls is empty and launch is false; give server URLs or launch: true")
         engine.wait_healthy(cfg.startup_timeout_s)
