@@ -17,21 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def _gone(pid: int) -> bool:
-    """Whether `pid` has exited: no such process, or a zombie its own parent has not reaped yet
-    (kill(pid, 0) still succeeds on a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, under another user
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False  # no /proc (not Linux): kill(pid, 0) is all there is
+from trainer.procwatch import process_gone
 
 
 def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
@@ -39,7 +25,7 @@ def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
     the launcher then sees this rank fail and stops the others. No rank outlives its task."""
     while True:
         time.sleep(every_s)
-        if _gone(pid):
+        if process_gone(pid):
             try:  # stderr may be a pipe that died with the supervisor: exit however the write goes
                 print(f"the supervising process {pid} is gone; this rank exits", file=sys.stderr, flush=True)
             finally:

@@ -280,3 +280,22 @@ def test_a_stale_torch_extension_lock_does_not_stall_the_process_group(tmp_path)
         pytest.fail("init_distributed waited on a stale lock in TORCH_EXTENSIONS_DIR")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "group 1" in out.stdout
+
+
+def test_a_zombie_supervisor_counts_as_gone():
+    """A SIGKILLed supervisor that its own parent has not reaped yet is a zombie: kill(pid, 0) still
+    succeeds on it, so the watchers look at its state too."""
+    from trainer.procwatch import process_gone
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not process_gone(child.pid)
+        os.kill(child.pid, 9)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert process_gone(child.pid)  # not reaped yet: a zombie
+    finally:
+        child.wait()
+    assert process_gone(child.pid)

@@ -2,8 +2,8 @@
 
     <sglang python> trainer/sglang_server.py --parent-pid PID -- <launch_server arguments>
 
-Runs in the SGLang environment's interpreter, so it imports nothing from posttrain (hence its own copy
-of `_gone`, as in tasks/rank_main.py). The server is
+Runs in the SGLang environment's interpreter, so it imports nothing from posttrain but the
+standard-library-only `procwatch` beside it. The server is
 started in a process group of its own (by `trainer.sglang`); a thread here polls PID and, once that
 process is gone (finished, crashed or SIGKILLed, so it could not stop the server itself), kills the
 whole group: the HTTP server and SGLang's scheduler and detokenizer processes. Nothing outlives the
@@ -17,27 +17,13 @@ import sys
 import threading
 import time
 
-
-def _gone(pid: int) -> bool:
-    """Whether `pid` has exited: no such process, or a zombie its own parent has not reaped yet
-    (kill(pid, 0) still succeeds on a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, under another user
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False  # no /proc (not Linux): kill(pid, 0) is all there is
+from procwatch import process_gone  # trainer/procwatch.py: this script's folder is first on sys.path
 
 
 def _watch(parent_pid: int, every_s: float = 1.0) -> None:
     while True:
         time.sleep(every_s)
-        if _gone(parent_pid):
+        if process_gone(parent_pid):
             try:  # stderr may be a pipe that died with the parent: stop however the write goes
                 print(f"posttrain: the process that started this server ({parent_pid}) is gone; stopping",
                       file=sys.stderr, flush=True)

@@ -1,0 +1,21 @@
+"""Whether a process has exited, for watchers that must not outlive the process that started them
+(the ranks' supervisor watch in tasks/rank_main.py, the SGLang server wrapper). Standard library
+only: the wrapper imports it from the SGLang environment's interpreter."""
+
+import os
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie its own parent has not reaped yet (kill(pid, 0) still succeeds
+    on a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, under another user
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): kill(pid, 0) is all there is
