@@ -96,9 +96,14 @@ def test_prompts_too_long_are_skipped_and_counted(tiny_tokenizer):
     assert batch.stats["rollout/prompts_skipped_too_long"] > 0
 
 
-def test_hf_engine_logprobs_match_trainer_logprobs(tiny_tokenizer):
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_hf_engine_logprobs_match_trainer_logprobs(tiny_tokenizer, temperature, top_p):
     """Generation (KV cache, left padding, batched) and the trainer's full forward (right padding)
-    give the same per-token logprobs on the same weights: within 1e-4 in fp32."""
+    give the same per-token logprobs on the same weights: within 1e-4 in fp32.
+
+    Under top-p they are the tempered distribution's, not renormalised over the nucleus: what SGLang
+    returns (its sampler's log(softmax(logits / T))) and what the trainer computes, so the TIS
+    ratio compares like with like."""
     cfg = load_config("tiny", ["model.hidden_size=32", "model.num_layers=2", "model.intermediate_size=64"])
     model = build_model(cfg.model, tiny_tokenizer, seed=0)
     data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 20, "n_test": 2}), 0)
@@ -106,11 +111,11 @@ def test_hf_engine_logprobs_match_trainer_logprobs(tiny_tokenizer):
 
     prompts = [encode_prompt(tiny_tokenizer, ex["messages"][:-1]) for ex in data.train[:6]]
     engine = HFEngine(model, tiny_tokenizer, batch_size=4)
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, seed=1))
     samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
     packed = pack(samples, [0.0] * len(samples), tiny_tokenizer.pad_token_id)
     with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn)
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
     diff = ((lp - packed.engine_logp).abs() * packed.mask).max().item()
     assert packed.mask.sum() > 20
     assert diff < 1e-4, diff
