@@ -25,7 +25,6 @@ from tasks.keys import RULES, code_version, extent, resolve
 from trainer import storage
 from trainer.config import RunConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 

@@ -94,7 +94,7 @@ def _model_content(cfg: RunConfig) -> dict[str, Any]:
 def _reward_content(cfg: RunConfig) -> dict[str, Any]:
     """Custom rewards by their module's source, reward models by their folder (built-in rewards are
     part of the code version)."""
-    from trainer.rewards import BUILTIN
+    from trainer.rewards import BUILTIN, split_dotted
 
     out = {}
     for spec in cfg.grpo.rewards:
@@ -103,7 +103,7 @@ def _reward_content(cfg: RunConfig) -> dict[str, Any]:
         if spec.name == "reward_model":
             out[f"reward_model:{spec.path}"] = fingerprint(spec.path)
             continue
-        module = spec.name.partition(":")[0] if ":" in spec.name else spec.name.rpartition(".")[0]
+        module = split_dotted(spec.name)[0]
         try:
             origin = importlib.util.find_spec(module).origin
         except (ImportError, AttributeError, ValueError):

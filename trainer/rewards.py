@@ -74,6 +74,14 @@ def _chat_text(tok, example: dict[str, Any], response: str) -> str:
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "format": format_reward}
 
 
+def split_dotted(name: str) -> tuple[str, str]:
+    """'package.module:function' or 'package.module.function' -> (module, function)."""
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    return module_name, attr
+
+
 def resolve(name: str, path: str | None = None) -> RewardFn:
     """A reward function by built-in name, `reward_model` (with path), or dotted path."""
     if name in BUILTIN:
@@ -82,9 +90,7 @@ def resolve(name: str, path: str | None = None) -> RewardFn:
         if not path:
             raise RewardError("grpo.rewards: reward_model needs `path` (a local folder, s3:// URI or hub name)")
         return RewardModel(path)
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
+    module_name, attr = split_dotted(name)
     if not module_name or not attr:
         raise RewardError(f"grpo.rewards: {name!r} is not a built-in reward ({sorted(BUILTIN)} or "
                           "reward_model) nor a dotted path like package.module:function")
