@@ -40,9 +40,10 @@ test-fast: setup
 bench: setup
 	$(BIN)/python -m tests.bench
 
-# Prefect server + process work pool + worker + MLflow UI on 127.0.0.1, every deployment in prefect.yaml.
+# Prefect server + process work pool + worker + MLflow UI on 127.0.0.1, every deployment in prefect.yaml;
+# its Prefect state under .serve/prefect (or $PREFECT_HOME). SERVE_ARGS='--prefect-port 4300 --pool-limit 1'.
 serve: setup
-	$(BIN)/python -m deployments.serve
+	$(BIN)/python -m deployments.serve $(SERVE_ARGS)
 
 clean:
 	rm -rf artifacts mlflow.db mlruns

@@ -1,9 +1,11 @@
 """`make serve`: a Prefect server, the `posttrain-local` process work pool and a worker, the MLflow
 UI, and every deployment in prefect.yaml -- all on 127.0.0.1. Ctrl-C stops everything it started.
 
-    python -m deployments.serve [--prefect-port 4200] [--mlflow-port 5000]
+    python -m deployments.serve [--prefect-port 4200] [--mlflow-port 5000] [--pool-limit 2]
 
-A Prefect server already answering on the port is reused rather than started twice.
+The Prefect server keeps its database under the project (`.serve/prefect`) unless PREFECT_HOME is
+set, so it never writes to the user's ~/.prefect. A port that is taken stops it with a message.
+The work pool runs at most --pool-limit flow runs at once; later ones wait in the queue.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +24,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "posttrain-local"
 HOST = "127.0.0.1"
+POOL_LIMIT = 2
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def check_port(port: int, what: str, flag: str) -> None:
+    """Raise PortTaken naming the port and the fix when something already listens on it."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((HOST, port))
+        except OSError as exc:
+            raise PortTaken(f"port {port} on {HOST} is taken ({exc.strerror}), so {what} cannot start there: "
+                            f"another `make serve` or server is running. Stop it, or choose another port: "
+                            f"make serve SERVE_ARGS='{flag} <port>'") from None
 
 
 @dataclass
@@ -86,9 +106,13 @@ def _run(services: Services, cmd: list[str], what: str) -> str:
 
 
 def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[str, str] | None = None,
-          logs: Path | None = None) -> Services:
+          logs: Path | None = None, pool_limit: int = POOL_LIMIT) -> Services:
     env = dict(os.environ if env is None else env)
     api = f"http://{HOST}:{prefect_port}/api"
+    check_port(prefect_port, "the Prefect server", "--prefect-port")
+    if mlflow_port:
+        check_port(mlflow_port, "the MLflow UI", "--mlflow-port")
+    env.setdefault("PREFECT_HOME", str(ROOT / ".serve" / "prefect"))
     env.update({"PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_LOGGING_EXTRA_LOGGERS": "trainer", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"})
     env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
@@ -97,12 +121,13 @@ def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[st
     services = Services(f"http://{HOST}:{prefect_port}", f"http://{HOST}:{mlflow_port}" if mlflow_port else None,
                         env, logs=logs)
     try:
-        if not _healthy(f"{api}/health"):
-            _spawn(services, "prefect-server",
-                   [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
-            _wait(f"{api}/health", "the Prefect server", services)
+        _spawn(services, "prefect-server",
+               [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
+        _wait(f"{api}/health", "the Prefect server", services)
         _run(services, [_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
              "creating the work pool")
+        _run(services, [_bin("prefect"), "work-pool", "set-concurrency-limit", POOL, str(pool_limit)],
+             "limiting the work pool")
         _run(services, [_bin("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "prefect.yaml")],
              "prefect deploy --all")
         _spawn(services, "prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"])
@@ -122,11 +147,19 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefect-port", type=int, default=4200)
     p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--pool-limit", type=int, default=POOL_LIMIT,
+                   help="flow runs the work pool runs at once (later ones wait)")
     args = p.parse_args(argv)
-    services = start(args.prefect_port, args.mlflow_port)
+    try:
+        services = start(args.prefect_port, args.mlflow_port, pool_limit=args.pool_limit)
+    except PortTaken as exc:
+        print(f"make serve: {exc}", file=sys.stderr)
+        return 2
     print(f"Prefect UI:   {services.prefect_url}   (API {services.prefect_url}/api)")
     print(f"MLflow UI:    {services.mlflow_url}   (tracking {services.env['MLFLOW_TRACKING_URI']})")
-    print(f"work pool:    {POOL} (process), worker running; logs in {services.logs}")
+    print(f"work pool:    {POOL} (process, at most {args.pool_limit} runs at once), worker running; "
+          f"logs in {services.logs}")
+    print(f"Prefect home: {services.env['PREFECT_HOME']}")
     print("deployments:  speedrun/speedrun-nightly (03:00 Europe/Berlin), speedrun/speedrun, sft/sft, grpo/grpo, eval/eval")
     print(f"run one:      PREFECT_API_URL={services.prefect_url}/api .venv/bin/prefect deployment run speedrun/speedrun")
     print("Ctrl-C stops everything.", flush=True)

@@ -11,6 +11,7 @@ forces a recompute.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks import lease
 from tasks.keys import RULES, code_version, extent, resolve
 from trainer import storage
 from trainer.config import RunConfig
@@ -103,10 +105,32 @@ class MlflowLogger:
             self.client.set_tag(self.run_id, k, str(v))
 
 
-def client_for(ref: TrackingRef):
+_ready: set[str] = set()
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient on `uri`. A process's first use of a SQLite store runs under a file lock beside
+    the database: MLflow creates a fresh store's tables on first use, and two processes doing that at
+    once fail ("No such index ..."). A server-backed store is set up by its server."""
+    import fcntl
+
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=ref.tracking_uri)
+    if not uri.startswith("sqlite:///") or uri in _ready:
+        return MlflowClient(tracking_uri=uri)
+    db = Path(uri[len("sqlite:///"):]).expanduser()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
+        client.search_experiments(max_results=1)
+        client.search_registered_models(max_results=1)  # ... and the model registry's
+    _ready.add(uri)
+    return client
+
+
+def client_for(ref: TrackingRef):
+    return mlflow_client(ref.tracking_uri)
 
 
 def child_logger(ref: TrackingRef, stage: str, tags: dict[str, Any]) -> MlflowLogger:
@@ -134,16 +158,78 @@ def prefect_logger():
         return logging.getLogger("posttrain")
 
 
-def work_dir_for(folder: str, create: bool = True) -> Path:
-    """Where a stage writes: its folder itself when local, a local scratch folder for s3://."""
+def work_dir_for(folder: str, create: bool = True, fresh: bool = False) -> Path:
+    """Where a stage writes: its folder itself when local, a local scratch folder for s3://.
+
+    `fresh` (a recompute, or a damaged result replaced): a staging folder beside it instead, emptied
+    first, which replaces the result only once the new one commits (`commit`)."""
     if not storage.is_remote(folder):
         path = Path(storage.fs_for(folder)[1])
+        if fresh:
+            path = path.parent / ".staging" / path.name
     else:
         scratch = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
-        path = scratch / hashlib.sha256(folder.encode()).hexdigest()[:16]
+        path = scratch / (hashlib.sha256(folder.encode()).hexdigest()[:16] + ("-staging" if fresh else ""))
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> None:
+    """Publish the work folder's files at `folder` and commit them with the manifest (written last).
+
+    `replace`: the work folder is a staging folder and a result is already at `folder`. Local roots
+    swap the folders (the old one stays whole until the rename); s3:// roots remove the old objects,
+    then upload (S3 has no rename: a crash inside that upload leaves no result, never a torn one)."""
+    manifest = {**manifest, "files": storage.list_files(work, skip=UNCHECKED)}
+    if replace and not storage.is_remote(folder):
+        storage.write_json(str(work / storage.MANIFEST), manifest)
+        storage.replace_dir(work, Path(storage.fs_for(folder)[1]))
+        return
+    if replace:
+        storage.remove(folder)
+        scratch = work_dir_for(folder, create=False)
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.replace(work, scratch)  # its checkpoints: what a later continuation resumes from
+        work = scratch
+    storage.put_dir(work, folder, skip=(storage.MANIFEST,))
+    storage.commit_manifest(folder, manifest)
+
+
+# What a result's manifest does not list (and a cache hit does not check): training state that is
+# pruned as it goes, and the launch's own bookkeeping.
+UNCHECKED = ("checkpoints/", "rank_status/", "launch_spec.json", "launch_result.json", storage.MANIFEST)
+
+
+def damage(folder: str, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a committed result's files (missing, or not the size committed), or None."""
+    listed = manifest.get("files")
+    if listed is None:
+        return None  # committed before manifests listed their files
+    present = storage.list_files(folder, skip=UNCHECKED)
+    for rel, size in sorted(listed.items()):
+        if rel not in present:
+            return f"{rel} is missing"
+        if present[rel] != size:
+            return f"{rel} has {present[rel]} bytes, {size} were committed"
+    return None
+
+
+# the lease a stage holds while its body runs (run_launched hands its ranks lock to the ranks)
+_held: contextvars.ContextVar[lease.StageLease | None] = contextvars.ContextVar("held_lease", default=None)
+
+
+def _cache_hit(stage: str, where, ref: TrackingRef, t0: float) -> dict[str, Any]:
+    manifest = where.manifest
+    source = manifest.get("mlflow_run_id", "")
+    logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
+    logger.log_metrics(manifest.get("metrics", {}))
+    logger.client.set_terminated(logger.run_id)
+    prefect_logger().info("%s: cache hit (key %s) at %s", stage, where.key, where.folder)
+    return {**manifest, "cache_hit": True, "wall_seconds": time.perf_counter() - t0,
+            "mlflow_run_id": logger.run_id, "source_run_id": source}
 
 
 def run_stage(
@@ -157,51 +243,73 @@ def run_stage(
     """Return the stage's manifest: from cache if committed, else by running `body`.
 
     `body(work_dir, logger)` writes its files into work_dir and returns {"metrics": {...}, ...};
-    the runner uploads the folder (for s3:// roots) and commits the manifest last."""
+    the runner uploads the folder (for s3:// roots) and commits the manifest last. One run at a
+    time computes a folder (tasks/lease.py): the others wait and then take its result."""
     log = prefect_logger()
     t0 = time.perf_counter()
+    recompute = stage in ref.recompute
     where = resolve(cfg, stage, inputs)
-    key, folder, manifest = where.key, where.folder, where.manifest
+    if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
+        return _cache_hit(stage, where, ref, t0)
+    while True:
+        key = where.key
+        say = lambda msg: log.info("%s (key %s): %s", stage, key, msg)  # noqa: E731
+        with lease.hold(where.folder, say, {"flow_run_id": ref.flow_run_id, "mlflow_run_id": ref.parent_run_id}) as held:
+            again = resolve(cfg, stage, inputs)  # another run may have committed it meanwhile
+            if again.folder != where.folder:  # ... and so moved this run's result to a folder of its own
+                where = again
+                continue
+            where = again
+            fresh = recompute and where.manifest is not None
+            if where.manifest is not None and not recompute:
+                broken = damage(where.folder, where.manifest)
+                if not broken:
+                    return _cache_hit(stage, where, ref, t0)
+                log.warning("%s: the result at %s is damaged (%s); computing it again beside it", stage,
+                            where.folder, broken)
+                fresh = True
+            token = _held.set(held)
+            try:
+                return _compute(stage, cfg, sections, inputs, body, ref, where, held, fresh, t0)
+            finally:
+                _held.reset(token)
+
+
+def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
+             t0: float) -> dict[str, Any]:
+    log = prefect_logger()
+    folder = where.folder
     if where.continues_from is not None:
         log.info("%s: continuing the result at %s from %d to %d (its last checkpoint)", stage, folder,
                  where.continues_from, extent(cfg, stage))
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
-    if manifest is not None and stage in ref.recompute:
-        log.warning("%s: recompute requested; discarding the cached result at %s", stage, folder)
-        storage.remove(folder)
-        if storage.is_remote(folder):
-            shutil.rmtree(work_dir_for(folder), ignore_errors=True)  # its local checkpoints too
-        manifest = None
-    if manifest is not None:
-        source = manifest.get("mlflow_run_id", "")
-        logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
-        logger.log_metrics(manifest.get("metrics", {}))
-        logger.client.set_terminated(logger.run_id)
-        log.info("%s: cache hit (key %s) at %s", stage, key, folder)
-        return {**manifest, "cache_hit": True, "wall_seconds": time.perf_counter() - t0,
-                "mlflow_run_id": logger.run_id, "source_run_id": source}
-    logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": key})
+    if fresh:
+        log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
+                    stage, folder)
+    logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
-    log.info("%s: running (key %s); MLflow child run %s", stage, key, logger.run_id)
-    work = work_dir_for(folder)
+    log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
+    work = work_dir_for(folder, fresh=fresh)
     try:
         extra = body(work, logger)
+        held.check()
     except BaseException:
         from mlflow.entities import RunStatus
 
         logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
+        if fresh:
+            log.error("%s: the recompute failed; the earlier result at %s is kept", stage, folder)
         raise
-    storage.put_dir(work, folder)
     wall = time.perf_counter() - t0
     manifest = {
-        "stage": stage, "key": key, "uri": folder, "code_version": code_version(),
+        "stage": stage, "key": where.key, "uri": folder, "code_version": code_version(),
         "config": {s: cfg.to_dict()[s] for s in sections}, "seed": cfg.seed,
         "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
         "extent": extent(cfg, stage), **extra,
     }
-    storage.commit_manifest(folder, manifest)
+    commit(work, folder, manifest, replace=fresh)
     logger.log_metrics({f"{stage}/wall_seconds": wall})
     logger.log_text(json.dumps(manifest, indent=2, sort_keys=True), "manifest.json")
     logger.client.set_terminated(logger.run_id)
@@ -219,8 +327,10 @@ def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRe
     its output goes into this task's log; a crash, timeout or cancellation kills every rank."""
     from trainer import launch
 
+    held = _held.get()
     spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
-            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid()}
+            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid(),
+            "ranks_lock": str(held.ranks_lock) if held is not None else None}
     path = launch.write_spec(work, spec)
     plan = launch.plan(stage, ds_cfg, path)
     log = prefect_logger()

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from tasks.common import MlflowLogger, TrackingRef, prefect_logger, tracking_uri
+from tasks.common import MlflowLogger, TrackingRef, mlflow_client, prefect_logger, tracking_uri
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -89,12 +89,11 @@ def _flow_run() -> tuple[str | None, str | None]:
 @contextmanager
 def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
                  nightly: bool = False) -> Iterator[PipelineRun]:
-    from mlflow import MlflowClient
     from mlflow.entities import RunStatus
 
     log = prefect_logger()
     uri = tracking_uri()
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, cfg.tracking.artifact_location)
     flow_run_id, flow_run_name = _flow_run()
     tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name, "posttrain.nightly": str(nightly).lower()}

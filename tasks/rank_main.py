@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import RunConfig
     from trainer.tracking import NullLogger
 
+    if spec.get("ranks_lock"):
+        # held until this process exits: a run taking over the stage waits for it (tasks/lease.py)
+        from tasks.lease import hold_ranks_lock
+
+        hold_ranks_lock(spec["ranks_lock"])
+        if spec.get("supervisor_pid") and process_gone(spec["supervisor_pid"]):
+            return 3  # its task died before this rank started: another run may own the folder now
     if spec.get("supervisor_pid"):
         threading.Thread(target=_watch_supervisor, args=(spec["supervisor_pid"],), daemon=True).start()
     ds.init_distributed()
@@ -66,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     inputs = spec["inputs"]
     logger = NullLogger()
     if rank == 0 and spec.get("mlflow"):
-        from mlflow import MlflowClient
+        from tasks.common import MlflowLogger, mlflow_client
 
-        from tasks.common import MlflowLogger
-
-        logger = MlflowLogger(MlflowClient(tracking_uri=spec["mlflow"]["tracking_uri"]), spec["mlflow"]["run_id"])
+        logger = MlflowLogger(mlflow_client(spec["mlflow"]["tracking_uri"]), spec["mlflow"]["run_id"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     status = launch.rank_status_path(work, local_rank, "error")
     status.parent.mkdir(parents=True, exist_ok=True)

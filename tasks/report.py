@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tasks import lease
 from tasks.common import prefect_logger
 from trainer import storage
 
@@ -117,7 +118,19 @@ def register_policy(run, stages: dict[str, dict], model_stage: str) -> tuple[str
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description=f"posttrain final policies of preset {cfg.name}")
+        try:
+            client.create_registered_model(name, description=f"posttrain final policies of preset {cfg.name}")
+        except MlflowException:
+            client.get_registered_model(name)  # created meanwhile by a concurrent run
+    # runs on one artifact root register one policy once: the search and the creation under one lease
+    with lease.hold(storage.join(cfg.artifact_root, "registry", f"{name}-{policy['key']}"),
+                    lambda msg: log.info("registering %s: %s", name, msg)):
+        return _register(run, stages, model_stage, name)
+
+
+def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tuple[str, str]:
+    client, cfg, log = run.logger.client, run.cfg, prefect_logger()
+    policy = stages[model_stage]
     for v in client.search_model_versions(f"name = '{name}'"):
         if v.tags.get("posttrain.policy_key") == policy["key"]:
             log.info("final policy already registered as %s version %s", name, v.version)

@@ -53,4 +53,6 @@ def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_
 
 
 def model_dir(manifest: dict) -> Path:
-    return storage.local_dir(storage.join(manifest["uri"], manifest["model_subdir"]))
+    # the source run: which computation of that folder (a recompute at the same URL is a new download)
+    return storage.local_dir(storage.join(manifest["uri"], manifest["model_subdir"]),
+                             version=manifest.get("source_run_id"))

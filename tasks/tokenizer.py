@@ -33,4 +33,6 @@ def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
 
 
 def tokenizer_dir(manifest: dict) -> Path:
-    return storage.local_dir(storage.join(manifest["uri"], manifest["tokenizer_subdir"]))
+    # the source run: which computation of that folder (a recompute at the same URL is a new download)
+    return storage.local_dir(storage.join(manifest["uri"], manifest["tokenizer_subdir"]),
+                             version=manifest.get("source_run_id"))

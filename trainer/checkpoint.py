@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer import storage
+from trainer.errors import InputError
+
 log = logging.getLogger(__name__)
 COMMITTED = "COMMITTED"
 
@@ -42,19 +45,36 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+class CheckpointError(InputError):
+    """A checkpoint could not be written, or none of the committed ones could be read."""
+
+
 def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
-    """Save and commit a checkpoint; keep only the newest `keep` committed ones."""
+    """Save and commit a checkpoint; keep only the newest `keep` committed ones.
+
+    Raises CheckpointError naming the folder when the save fails (a full disk, most often): the torn
+    tag is removed, and the earlier committed checkpoints stay as they were."""
     from trainer.engine import rank
     import torch.distributed as dist
 
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     state = dict(client_state, step=step, rng=rng_state())
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
+    except Exception as exc:
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
     if dist.is_initialized():
         dist.barrier()
     if rank() == 0:
-        (ckpt_dir / tag / COMMITTED).write_text(json.dumps({"step": step}))
+        files = {f.relative_to(ckpt_dir / tag).as_posix(): f.stat().st_size
+                 for f in (ckpt_dir / tag).rglob("*") if f.is_file()}
+        try:
+            storage.write_json(str(ckpt_dir / tag / COMMITTED), {"step": step, "files": files})
+        except OSError as exc:
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+            raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
         for old in committed_tags(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     if dist.is_initialized():
@@ -62,30 +82,71 @@ def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], 
     return ckpt_dir / tag
 
 
+def _save_failed(path: Path, exc: BaseException) -> str:
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return (f"saving checkpoint {path} failed ({type(exc).__name__}: {exc}; {free}); the torn checkpoint was removed "
+            "and the earlier ones are kept. Free space on that disk (or point artifact_root / POSTTRAIN_CACHE at a "
+            "larger one) and run again: the stage resumes from its last committed checkpoint")
+
+
+def damage(tag_dir: Path) -> str | None:
+    """What is wrong with a committed checkpoint's files (missing, or not the size saved), or None."""
+    try:
+        files = json.loads((tag_dir / COMMITTED).read_text()).get("files")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        return f"its {COMMITTED} marker is unreadable ({exc})"
+    for rel, size in sorted((files or {}).items()):
+        f = tag_dir / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {size} were saved"
+    return None
+
+
 def committed_tags(ckpt_dir: str | Path) -> list[str]:
+    """The checkpoints that were committed and are whole, oldest first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
     good = []
     for t in tags:
-        if (ckpt_dir / t / COMMITTED).is_file():
-            good.append(t)
+        if not (ckpt_dir / t / COMMITTED).is_file():
+            log.warning("checkpoint %s has no COMMITTED marker (torn write); it will not be loaded", ckpt_dir / t)
+        elif problem := damage(ckpt_dir / t):
+            log.warning("checkpoint %s is damaged (%s); it will not be loaded", ckpt_dir / t, problem)
         else:
-            log.warning("checkpoint %s has no COMMITTED marker (torn write); it will not be loaded",
-                        ckpt_dir / t)
+            good.append(t)
     return good
 
 
 def load_latest(engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
-    """Load the newest committed checkpoint into `engine`; returns its client state or None."""
+    """Load the newest committed checkpoint that loads into `engine`; returns its client state, or
+    None when there is none. One that fails to load is logged and the one before it is tried.
+
+    Raises CheckpointError when committed checkpoints exist and none of them loads."""
+    ckpt_dir = Path(ckpt_dir)
     tags = committed_tags(ckpt_dir)
-    if not tags:
-        return None
-    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tags[-1], load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
-    if client is None:
-        raise RuntimeError(f"checkpoint {ckpt_dir}/{tags[-1]} could not be loaded")
-    set_rng_state(client["rng"])
-    log.info("resumed from checkpoint %s/%s (step %d)", ckpt_dir, tags[-1], client["step"])
-    return client
+    failures = []
+    for tag in reversed(tags):
+        try:
+            _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+            if client is None:
+                raise RuntimeError("DeepSpeed found nothing to load")
+        except Exception as exc:
+            failures.append(f"{ckpt_dir / tag}: {type(exc).__name__}: {str(exc)[:300]}")
+            log.warning("checkpoint %s could not be loaded (%s: %s); trying the one before it", ckpt_dir / tag,
+                        type(exc).__name__, str(exc)[:300])
+            continue
+        set_rng_state(client["rng"])
+        log.info("resumed from checkpoint %s/%s (step %d)", ckpt_dir, tag, client["step"])
+        return client
+    if failures:
+        raise CheckpointError("no committed checkpoint under " + str(ckpt_dir) + " could be loaded:\n  "
+                              + "\n  ".join(failures) + f"\ndelete {ckpt_dir} to start this stage over")
+    return None

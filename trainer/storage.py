@@ -139,48 +139,107 @@ def read_jsonl(url: str) -> list[dict[str, Any]]:
 
 
 def read_manifest(folder: str) -> dict[str, Any] | None:
-    """The committed manifest of a stage folder, or None if the folder holds no result."""
+    """The committed manifest of a stage folder, or None if the folder holds no result. A truncated
+    or garbled manifest is no result either: logged, and the stage computes (or resumes) it again."""
     url = join(folder, MANIFEST)
     if not exists(url):
         return None
     try:
-        return read_json(url)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # a torn manifest is no result
+        manifest = read_json(url)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        log.warning("%s is unreadable (%s: %s): the folder is treated as uncommitted, and the stage resumes from "
+                    "its checkpoints or computes it again", url, type(exc).__name__, exc)
+        return None
+    if not isinstance(manifest, dict) or "key" not in manifest:
+        log.warning("%s is not a stage manifest (no 'key'): the folder is treated as uncommitted", url)
+        return None
+    return manifest
 
 
 def commit_manifest(folder: str, manifest: dict[str, Any]) -> None:
     write_json(join(folder, MANIFEST), manifest)
 
 
-def put_dir(local_dir: str | Path, url: str) -> None:
-    """Copy a local folder's files to `url` (a local path or s3:// prefix)."""
+def _skipped(rel: str, skip: tuple[str, ...]) -> bool:
+    return any(rel == s or (s.endswith("/") and rel.startswith(s)) for s in skip)
+
+
+def list_files(url: str | Path, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    """{relative path: size} of every file under a local folder or remote prefix, but `skip`
+    (exact names, or prefixes ending in '/')."""
+    url = str(url)
+    if not is_remote(url):
+        root = Path(fs_for(url)[1])
+        found = {f.relative_to(root).as_posix(): f.stat().st_size for f in root.rglob("*") if f.is_file()} \
+            if root.is_dir() else {}
+    else:
+        fs, path = fs_for(url)
+        prefix = path.rstrip("/") + "/"
+        try:
+            objects = _retrying("list", url, lambda: fs.find(prefix, detail=True, refresh=True))
+        except FileNotFoundError:
+            objects = {}
+        found = {name[len(prefix):]: int(info.get("size") or 0) for name, info in objects.items()}
+    return {rel: size for rel, size in found.items() if not _skipped(rel, skip)}
+
+
+def put_dir(local_dir: str | Path, url: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy a local folder's files to `url` (a local path or s3:// prefix), but `skip`."""
     local_dir = Path(local_dir)
     if not is_remote(url):
         dest = Path(fs_for(url)[1])
         if dest.resolve() == local_dir.resolve():
             return
-        shutil.copytree(local_dir, dest, dirs_exist_ok=True)
+        shutil.copytree(local_dir, dest, dirs_exist_ok=True,
+                        ignore=lambda d, names: [n for n in names if _skipped(
+                            (Path(d) / n).relative_to(local_dir).as_posix(), skip)])
         return
     for f in sorted(local_dir.rglob("*")):
-        if f.is_file():
-            write_bytes(join(url, f.relative_to(local_dir).as_posix()), f.read_bytes())
+        rel = f.relative_to(local_dir).as_posix()
+        if f.is_file() and not _skipped(rel, skip):
+            write_bytes(join(url, rel), f.read_bytes())
 
 
-def local_dir(url: str, cache_root: str | Path | None = None) -> Path:
-    """A local folder holding `url`'s files: the folder itself, or a download of a remote one."""
+def replace_dir(new: Path, dest: Path) -> None:
+    """Put the local folder `new` where `dest` is: `dest` stays whole until a rename moves it aside."""
+    old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    try:
+        os.replace(new, dest)
+    except BaseException:
+        if old.exists():
+            os.replace(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def local_dir(url: str, cache_root: str | Path | None = None, version: str | None = None) -> Path:
+    """A local folder holding `url`'s files: the folder itself, or a download of a remote one.
+
+    Downloads are kept per (url, version): pass the result's version (its MLflow run) so a result
+    recomputed at the same URL is downloaded again. One process downloads; the others wait for it."""
     if not is_remote(url):
         return Path(fs_for(url)[1])
+    import fcntl
+
     fs, path = fs_for(url)
     root = Path(cache_root or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
-    dest = root / hashlib.sha256(url.encode()).hexdigest()[:16]
-    if not (dest / ".complete").exists():
-        tmp = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
-        _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp), recursive=True))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-        (dest / ".complete").touch()
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / hashlib.sha256(f"{url}@{version or ''}".encode()).hexdigest()[:16]
+    if (dest / ".complete").exists():
+        return dest
+    with open(root / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        if not (dest / ".complete").exists():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{dest.name}."))
+            try:
+                _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp), recursive=True))
+                (tmp / ".complete").touch()
+                shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier download
+                os.replace(tmp, dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
