@@ -105,17 +105,23 @@ def _run(services: Services, cmd: list[str], what: str) -> str:
     return out.stdout
 
 
-def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[str, str] | None = None,
-          logs: Path | None = None, pool_limit: int = POOL_LIMIT) -> Services:
-    env = dict(os.environ if env is None else env)
-    api = f"http://{HOST}:{prefect_port}/api"
-    check_port(prefect_port, "the Prefect server", "--prefect-port")
-    if mlflow_port:
-        check_port(mlflow_port, "the MLflow UI", "--mlflow-port")
+def service_env(env: dict[str, str], api: str) -> dict[str, str]:
+    """The services' environment: Prefect state under the project unless PREFECT_HOME is set."""
+    env = dict(env)
     env.setdefault("PREFECT_HOME", str(ROOT / ".serve" / "prefect"))
     env.update({"PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_LOGGING_EXTRA_LOGGERS": "trainer", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"})
     env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    return env
+
+
+def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[str, str] | None = None,
+          logs: Path | None = None, pool_limit: int = POOL_LIMIT) -> Services:
+    api = f"http://{HOST}:{prefect_port}/api"
+    check_port(prefect_port, "the Prefect server", "--prefect-port")
+    if mlflow_port:
+        check_port(mlflow_port, "the MLflow UI", "--mlflow-port")
+    env = service_env(dict(os.environ if env is None else env), api)
     logs = logs or ROOT / ".serve"
     logs.mkdir(parents=True, exist_ok=True)
     services = Services(f"http://{HOST}:{prefect_port}", f"http://{HOST}:{mlflow_port}" if mlflow_port else None,

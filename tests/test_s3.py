@@ -151,3 +151,67 @@ def test_mlflow_artifacts_on_s3(s3):
     keys = s3fs.S3FileSystem().find(location.removeprefix("s3://"))
     assert any(k.endswith(f"{run.info.run_id}/artifacts/notes/hello.txt") for k in keys), keys
     assert experiment_id(client, "s3-artifacts", location) == exp  # found again, not re-created
+
+
+LEASE_HOLDER = """
+import sys, time
+from tasks import lease
+with lease.hold(sys.argv[1], print, {"flow_run_id": "holder"}):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_s3_lease_one_holder_then_takeover_after_expiry(s3, tmp_path, monkeypatch):
+    """A real process holds an S3 lease and renews it; a waiter waits. SIGKILLed, the holder cannot
+    release it: the waiter takes it over once it expires (POSTTRAIN_LEASE_TTL_S), with a conditional
+    write. A holder whose lease was taken over cannot commit."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tasks import lease
+
+    ttl = 4.0
+    monkeypatch.setenv("POSTTRAIN_LEASE_TTL_S", str(ttl))
+    folder = f"{s3}/sft/leasekey{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "POSTTRAIN_LEASE_TTL_S": str(ttl)}
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, folder], env=env, stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        said: list[str] = []
+        got = threading.Event()
+
+        def wait_for_it():
+            with lease.hold(folder, said.append) as held:
+                got.set()
+                held.check()
+
+        waiter = threading.Thread(target=wait_for_it, daemon=True)
+        waiter.start()
+        time.sleep(3 * ttl)  # several lifetimes: the holder's renewals keep it
+        assert not got.is_set(), "the lease was taken from a live holder"
+        assert any("is computing it" in s and "flow run holder" in s for s in said), said
+        holder.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert got.wait(timeout=ttl + 15), "the waiter never took over the expired lease"
+        took = time.monotonic() - killed
+        waiter.join(timeout=10)
+        assert took <= ttl + 5, took
+        assert any("took over an expired lease" in s for s in said), said
+        print(f"\ntakeover {took:.1f}s after the holder's SIGKILL (ttl {ttl:g}s)")
+    finally:
+        holder.kill()
+        holder.wait()
+    # the lease is released once the block ends: the next run takes it at once
+    with lease.hold(folder, said.append) as held:
+        # another process overwrites it (as a taker would after expiry): this holder must not commit
+        lease_url, _ = lease.lock_paths(folder)
+        from trainer import storage
+
+        storage.write_json(lease_url, {"token": "someone-else", "expires": time.time() + 60})
+        with pytest.raises(lease.LeaseLost, match="another run took it over"):
+            held.check()

@@ -43,7 +43,26 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     skip_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    one_rank = os.environ.get(_OWNER) == str(os.getpid())  # a group this module made up
+    rendezvous = os.environ.get(RENDEZVOUS) or (rendezvous_file() if one_rank else None)
+    if rendezvous:
+        # On one machine the ranks meet through a file, not a TCP store (which listens on every
+        # interface), and gloo talks over loopback: nothing of a local run is reachable from outside.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+RENDEZVOUS = "POSTTRAIN_RENDEZVOUS_FILE"  # set by the supervisor for ranks launched on this machine alone
+
+
+def rendezvous_file() -> str:
+    """A fresh path for one group's FileStore (it must not exist before the group starts)."""
+    import tempfile
+    import uuid
+
+    return os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
 
 
 def skip_shm_comm_build() -> None:

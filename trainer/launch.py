@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from trainer import storage
 from trainer.config import DeepSpeedConfig
-from trainer.engine import free_port
+from trainer.engine import RENDEZVOUS, free_port, rendezvous_file
 from trainer.errors import InputError
 
 SPEC = "launch_spec.json"
@@ -38,7 +38,7 @@ RESULT = "launch_result.json"
 GRACE_S = 10.0
 # The one-rank group's settings that a parent process may hold: the ranks get the launcher's.
 _STRIP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "POSTTRAIN_ONE_RANK_GROUP_PID")
+              "POSTTRAIN_ONE_RANK_GROUP_PID", RENDEZVOUS)
 
 
 class LaunchError(RuntimeError):
@@ -74,7 +74,9 @@ def plan(stage: str, ds: DeepSpeedConfig, spec_path: str | Path, port: int | Non
     cmd += ["--num_gpus", str(ds.ranks_per_node),
             "--master_port", str(port or ds.master_port or free_port()),
             "--module", "tasks.rank_main", "--spec", str(spec_path)]
-    return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile)
+    # ranks on this machine alone meet through a file and gloo over loopback (trainer.engine)
+    env = {} if ds.hostfile else {RENDEZVOUS: rendezvous_file()}
+    return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile, env)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
