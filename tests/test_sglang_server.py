@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from trainer.config import SGLangConfig
+from trainer import sglang
 from trainer.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
 
 pytestmark = pytest.mark.slow
@@ -285,6 +286,13 @@ def test_launch_problems_are_named_before_anything_starts(tiny_tokenizer, tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.listen()
-        with pytest.raises(SGLangError, match=f"port {port} on 127.0.0.1 is taken"):
-            SGLangEngine.from_config(SGLangConfig(device="cpu", base_port=port, env={"PYTHONPATH": str(STANDIN)}),
-                                     str(tmp_path), tiny_tokenizer)
+        # another run's server holds the port: launched servers take the next free ones
+        ports = sglang.free_ports("127.0.0.1", port, 2)
+        assert port not in ports and len(ports) == 2 and all(p > port for p in ports)
+        old_scan, sglang.PORT_SCAN = sglang.PORT_SCAN, 1
+        try:
+            with pytest.raises(SGLangError, match=rf"fewer than 1 free ports on 127.0.0.1 in {port}-{port}"):
+                SGLangEngine.from_config(SGLangConfig(device="cpu", base_port=port, env={"PYTHONPATH": str(STANDIN)}),
+                                         str(tmp_path), tiny_tokenizer)
+        finally:
+            sglang.PORT_SCAN = old_scan

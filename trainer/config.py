@@ -185,7 +185,8 @@ class SGLangConfig(Strict):
         "and machines without a GPU")
     host: str = Field("127.0.0.1", description="address launched servers bind to")
     num_servers: int = Field(1, ge=1)
-    base_port: int = Field(30000, ge=1024, le=65535)
+    base_port: int = Field(30000, ge=1024, le=65535, description="launched servers take the first free ports "
+                           "from here up (another run's servers hold theirs)")
     gpus_per_server: int = Field(1, ge=1)
     first_gpu: int = Field(0, ge=0, description="server i uses GPUs first_gpu + i*gpus_per_server onwards; put "
                            "them after the training ranks' GPUs (0..ranks_per_node-1) on a shared machine")

@@ -120,6 +120,21 @@ def server_env(cfg: SGLangConfig, i: int) -> dict[str, str]:
     return {**env, **cfg.env}
 
 
+PORT_SCAN = 100
+
+
+def free_ports(host: str, base: int, n: int) -> list[int]:
+    """The first `n` ports from `base` up that a server could listen on: another run's servers on
+    this machine hold theirs, so concurrent runs do not collide."""
+    ports = [p for p in range(base, min(base + PORT_SCAN, 65536)) if not port_taken(host, p)][:n]
+    if len(ports) < n:
+        raise SGLangError(f"rollout.sglang: fewer than {n} free ports on {host} in {base}-{base + PORT_SCAN - 1} "
+                          "(other servers or earlier runs still up?); stop them or set rollout.sglang.base_port")
+    if ports != list(range(base, base + n)):
+        log.info("ports from rollout.sglang.base_port=%d are taken; SGLang servers use %s", base, ports)
+    return ports
+
+
 def port_taken(host: str, port: int) -> bool:
     """Whether a server could not listen on host:port. Binds as uvicorn does (SO_REUSEADDR), so the
     closed connections of an earlier server on the port (TIME_WAIT) do not count."""
@@ -198,11 +213,8 @@ class SGLangEngine:
                 raise SGLangError(problem)
             servers: list[_Server] = []
             try:
-                for i in range(cfg.num_servers):
-                    port = cfg.base_port + i
-                    if port_taken(cfg.host, port):
-                        raise SGLangError(f"rollout.sglang: port {port} on {cfg.host} is taken (another server or "
-                                          "an earlier run still up?); stop it or set rollout.sglang.base_port")
+                ports = free_ports(cfg.host, cfg.base_port, cfg.num_servers)
+                for i, port in enumerate(ports):
                     cmd = launch_command(cfg, model_path, port, dtype)
                     log.info("launching SGLang: %s", " ".join(cmd))
                     proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
