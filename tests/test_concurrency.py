@@ -125,3 +125,46 @@ def test_a_waiting_run_takes_over_from_a_killed_holder(tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["result"]["resumed_from_step"] == steps[-1], (steps, manifest["result"])
     print(f"\nholder killed with checkpoints {steps}; the waiter resumed at step {steps[-1]}")
+
+
+def test_four_runs_at_once_on_a_fresh_server_backed_store(tmp_path):
+    """The same with MLflow behind `mlflow server` (its fresh database set up by the server): four
+    prepare-data runs at once, one computes, three take the cache hit, four parent runs."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--default-artifact-root", str(tmp_path / "mlartifacts")],
+                              stdout=open(tmp_path / "mlflow.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    store = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{store}/health", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "mlflow.log").read_text()
+                time.sleep(0.5)
+        root = tmp_path / "artifacts"
+        procs = [(start_cli(root, tmp_path / f"p{i}.json", store, command="prepare-data"), tmp_path / f"p{i}.json")
+                 for i in range(4)]
+        results = [finish(p, out) for p, out in procs]
+        assert sorted(r["stages"][0]["cache_hit"] for r in results) == [False, True, True, True]
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=store)
+        exp = client.get_experiment_by_name("posttrain")
+        parents = client.search_runs([exp.experiment_id], "tags.`posttrain.flow` = 'prepare_data'")
+        assert sorted(p.info.run_id for p in parents) == sorted(r["mlflow_run_id"] for r in results)
+        for r in results:
+            [child] = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{r['mlflow_run_id']}'")
+            assert child.data.tags["cache_hit"] == str(r["stages"][0]["cache_hit"])
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

@@ -23,6 +23,13 @@ def sft_run(root: Path, extra=(), recompute=(), fault=None) -> dict:
                     fault=fault or {})
 
 
+def said(caplog, needle: str) -> str:
+    """The logged line that contains `needle` (printed: the closing note quotes them)."""
+    line = next(r.getMessage() for r in caplog.records if needle in r.getMessage())
+    print(f"\n  logged: {line}")
+    return line
+
+
 def stage(result: dict, name: str) -> dict:
     return next(s for s in result["stages"] if s["stage"] == name)
 
@@ -41,7 +48,7 @@ def test_garbled_manifest_is_logged_and_the_stage_recomputed(done, caplog):
     manifest.write_text(manifest.read_text()[:40])  # truncated mid-write
     with caplog.at_level(logging.WARNING):
         again = sft_run(root)
-    assert f"{manifest} is unreadable" in caplog.text and "treated as uncommitted" in caplog.text
+    assert "treated as uncommitted" in said(caplog, f"{manifest} is unreadable")
     assert not stage(again, "prepare_data")["cache_hit"]
     assert json.loads(manifest.read_text())["key"] == stage(first, "prepare_data")["key"]
 
@@ -53,7 +60,7 @@ def test_missing_model_files_are_logged_and_recomputed_beside(done, caplog):
     weights.unlink()
     with caplog.at_level(logging.WARNING):
         again = sft_run(root)
-    assert f"the result at {sft} is damaged (model/{weights.name} is missing)" in caplog.text
+    said(caplog, f"the result at {sft} is damaged (model/{weights.name} is missing)")
     assert not stage(again, "sft")["cache_hit"] and weights.is_file()
     assert stage(sft_run(root), "sft")["cache_hit"]  # whole again: a cache hit
 
@@ -66,7 +73,7 @@ def test_failed_recompute_keeps_the_old_result(done, caplog):
 
     with caplog.at_level(logging.ERROR), pytest.raises(InjectedFault):
         sft_run(root, recompute=["sft"], fault={"sft": 7})
-    assert "the recompute failed; the earlier result at" in caplog.text
+    said(caplog, "the recompute failed; the earlier result at")
     assert json.loads((sft / "manifest.json").read_text()) == before
     assert stage(sft_run(root), "sft")["cache_hit"]  # still served from cache
     again = sft_run(root, recompute=["sft"])
@@ -100,9 +107,9 @@ def test_damaged_checkpoint_falls_back_to_the_one_before(tmp_path, caplog, damag
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["result"]["resumed_from_step"] == 5, caplog.text[-3000:]
     if damage == "garbled":
-        assert f"checkpoint {step10} could not be loaded" in caplog.text
+        said(caplog, f"checkpoint {step10} could not be loaded")
     else:
-        assert f"checkpoint {step10} is damaged ({target.relative_to(step10)}" in caplog.text
+        said(caplog, f"checkpoint {step10} is damaged ({target.relative_to(step10)}")
     assert not stage(result, "sft")["cache_hit"]
 
 
@@ -118,6 +125,7 @@ def test_every_checkpoint_damaged_names_the_folder_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"no committed checkpoint under .*checkpoints could be loaded") as exc:
         sft_run(tmp_path)
     assert f"delete {folder / 'checkpoints'} to start this stage over" in str(exc.value)
+    print(f"\n  raised: {exc.value}")
     assert not (folder / "manifest.json").exists()
 
 
@@ -143,6 +151,7 @@ def test_disk_full_during_a_checkpoint(small_disk, tmp_path):
     with pytest.raises(CheckpointError) as exc:
         sft_run(small_disk, bigger)
     text = str(exc.value)
+    print(f"\n  raised: {text}")
     assert "saving checkpoint" in text and "step00000005" in text and "MiB free there" in text, text
     assert "Free space on that disk" in text
     [folder] = small_disk.glob("sft/*")

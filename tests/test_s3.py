@@ -215,3 +215,24 @@ def test_s3_lease_one_holder_then_takeover_after_expiry(s3, tmp_path, monkeypatc
         storage.write_json(lease_url, {"token": "someone-else", "expires": time.time() + 60})
         with pytest.raises(lease.LeaseLost, match="another run took it over"):
             held.check()
+
+
+def test_s3_downloads_once_per_version_under_concurrency(s3, tmp_path):
+    """Several threads (each its own lock file handle, as separate runs are) download one s3://
+    folder at once: one downloads, the others wait and get the same complete copy. A new version of
+    the result (a recompute at the same URL) is downloaded again, not served stale."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer import storage
+
+    url = f"{s3}/sft/dl{uuid.uuid4().hex[:6]}/model"
+    for i in range(20):
+        storage.write_bytes(f"{url}/part{i}.bin", bytes([i]) * 50_000)
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(6) as pool:
+        dirs = list(pool.map(lambda _: storage.local_dir(url, cache, version="run-a"), range(6)))
+    assert len(set(dirs)) == 1 and len(list(dirs[0].glob("part*.bin"))) == 20
+    assert not [p for p in cache.iterdir() if p.is_dir() and p != dirs[0]], "a partial download was left"
+    storage.write_bytes(f"{url}/part0.bin", b"recomputed")
+    fresh = storage.local_dir(url, cache, version="run-b")
+    assert fresh != dirs[0] and (fresh / "part0.bin").read_bytes() == b"recomputed"
