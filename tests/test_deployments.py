@@ -245,19 +245,25 @@ def committed(folder_glob) -> list[int]:
     return sorted(int(p.parent.name[4:]) for p in folder_glob if p.name == "COMMITTED")
 
 
+def cancel_mid_stage(served, deployment_name: str, stage: str, root: Path, overrides: list[str]):
+    """Trigger the deployment, cancel it once its stage has a committed checkpoint; return the stop
+    times, the stage folder and its committed checkpoints. Nothing may be committed."""
+    run = trigger(served, deployment_name, {"preset": "tiny", "overrides": overrides})
+
+    def ready():
+        return bool(committed(root.glob(f"{stage}/*/checkpoints/step*/COMMITTED")))
+
+    cancelled, gone = cancel_when(served, run.id, ready, str(root))
+    [folder] = root.glob(f"{stage}/*")
+    assert not (folder / "manifest.json").exists()
+    return cancelled, gone, folder, committed(folder.glob("checkpoints/step*/COMMITTED"))
+
+
 def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, tmp_path):
     root = tmp_path / "artifacts"
     overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.max_steps=400",
                          "sft.checkpoint_every=5", "sft.micro_batch_size=8"]
-    run = trigger(served, "sft/sft", {"preset": "tiny", "overrides": overrides})
-
-    def ready():
-        return bool(committed(root.glob("sft/*/checkpoints/step*/COMMITTED")))
-
-    cancelled, gone = cancel_when(served, run.id, ready, str(root))
-    [folder] = root.glob("sft/*")
-    steps = committed(folder.glob("checkpoints/step*/COMMITTED"))
-    assert not (folder / "manifest.json").exists()
+    cancelled, gone, folder, steps = cancel_mid_stage(served, "sft/sft", "sft", root, overrides)
     print(f"\nmid-SFT (2 ranks): Cancelled after {cancelled:.1f}s, every process gone after {gone:.1f}s; "
           f"checkpoints {steps}")
     again = wait_final(served, trigger(served, "sft/sft", {"preset": "tiny", "overrides": overrides}).id)
@@ -271,15 +277,7 @@ def test_cancel_mid_grpo_stops_its_sglang_servers_then_rerun_resumes(served, tmp
 
     root = tmp_path / "artifacts"
     overrides = [o for o in SGLANG if not o.startswith("grpo.rounds=")] + [f"artifact_root={root}", "grpo.rounds=50"]
-    run = trigger(served, "grpo/grpo", {"preset": "tiny", "overrides": overrides})
-
-    def ready():
-        return bool(committed(root.glob("grpo/*/checkpoints/step*/COMMITTED")))
-
-    cancelled, gone = cancel_when(served, run.id, ready, str(root))
-    [folder] = root.glob("grpo/*")
-    rounds = committed(folder.glob("checkpoints/step*/COMMITTED"))
-    assert not (folder / "manifest.json").exists()
+    cancelled, gone, folder, rounds = cancel_mid_stage(served, "grpo/grpo", "grpo", root, overrides)
     print(f"\nmid-GRPO (SGLang server): Cancelled after {cancelled:.1f}s, every process gone after {gone:.1f}s; "
           f"checkpoints at rounds {rounds}")
     # the re-run asks for one round more than the last checkpoint holds (rounds do not change the key)
