@@ -63,8 +63,69 @@ def test_worked_fraction_mixes_answer_only_rows_into_train_only():
 
 
 def test_synthetic_too_few_distinct_problems():
-    with pytest.raises(DataError, match="distinct problems"):
+    with pytest.raises(DataError, match=r"only \d+ distinct held-out problems \(of n_test=100000\).*raise digits"):
         synthetic(SyntheticData(n_train=10, n_test=100_000, max_ops=1, ops=["+"]), seed=0)
+
+
+# The equation a question computes, read from its words (not from the generator's own record):
+# "Ann has 5 apples. Ann buys 3 more. The pile grows 2 times bigger. ..." -> (5, ("+", 3), ("*", 2))
+_OP_WORDS = [(re.compile(r"(?:buys|finds|gets) (\d+) more\."), "+"),
+             (re.compile(r"(?:gives away|loses|sells) (\d+)\."), "-"),
+             (re.compile(r"(\d+) times"), "*")]
+
+
+def _equation(question: str) -> tuple:
+    first, *rest = question.split(". ")
+    equation: list = [int(re.search(r"has (\d+) ", first)[1])]
+    for sentence in rest:
+        if sentence.startswith("How many"):
+            break
+        ops = [(op, int(m[1])) for pattern, op in _OP_WORDS if (m := pattern.search(sentence + "."))]
+        assert len(ops) == 1, sentence
+        equation.append(ops[0])
+    return tuple(equation)
+
+
+def _mix(examples: list[dict]) -> dict[str, float]:
+    eqs = [_equation(ex["messages"][0]["content"]) for ex in examples]
+    out = {f"{k} steps": sum(len(e) - 1 == k for e in eqs) / len(eqs) for k in (1, 2)}
+    n_ops = sum(len(e) - 1 for e in eqs)
+    out.update({f"op {op}": sum(o == op for e in eqs for o, _ in e[1:]) / n_ops for op in "+-*"})
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_held_out_equations_never_appear_in_training(seed):
+    """The embedded default's split: no held-out equation (start value, every operation and
+    operand) is trained on, whatever the names and wording, and both sides keep the same mix of
+    steps and operations."""
+    from trainer.config import load_config
+
+    cfg = load_config("tiny").data.synthetic
+    data = synthetic(cfg, seed)
+    assert (len(data.train), len(data.test)) == (cfg.n_train, cfg.n_test)
+    for ex in data.train[:2000] + data.test:  # the words and the worked answer agree on the equation
+        worked = ex["messages"][-1]["content"]
+        if "=" in worked:
+            steps = [re.fullmatch(r"\d+([+\-*])(\d+)=\d+", line).groups() for line in worked.splitlines()[:-1]]
+            assert [(op, int(n)) for op, n in steps] == list(_equation(ex["messages"][0]["content"])[1:])
+    train_eqs = {_equation(ex["messages"][0]["content"]) for ex in data.train}
+    test_eqs = {_equation(ex["messages"][0]["content"]) for ex in data.test}
+    assert not train_eqs & test_eqs
+    assert len({ex["messages"][0]["content"] for ex in data.test}) == cfg.n_test  # distinct questions
+    # not a handful of equations reworded: about a fifth of the 4,936 equations are held out, and
+    # 1,000 rows drawn with the generator's frequencies cover a good part of them
+    assert len(test_eqs) > 300 and len(train_eqs) > 3000
+    train_mix, test_mix = _mix(data.train), _mix(data.test)
+    for k in train_mix:  # 1,000 test rows: a binomial share's sd is at most 1.6 points
+        assert abs(train_mix[k] - test_mix[k]) < 0.06, (k, train_mix, test_mix)
+
+
+def test_held_out_split_other_settings():
+    cfg = SyntheticData(n_train=3000, n_test=300, min_ops=1, max_ops=3, digits=2, held_out_fraction=0.3)
+    data = synthetic(cfg, 5)
+    train_eqs = {_equation(ex["messages"][0]["content"]) for ex in data.train}
+    assert not train_eqs & {_equation(ex["messages"][0]["content"]) for ex in data.test}
 
 
 def _write(path, rows):

@@ -41,6 +41,11 @@ class SyntheticData(Strict):
         description="share of training answers that show their worked steps; the rest give only "
         "'#### n', as terse answers do in real SFT data",
     )
+    held_out_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0,
+        description="share of distinct equations (start value, operations, operands) kept out of "
+        "training for the held-out set; no held-out equation is ever trained on",
+    )
 
     @model_validator(mode="after")
     def _ops_range(self) -> "SyntheticData":
@@ -260,8 +265,23 @@ class GRPOConfig(Strict):
 
 class EvalConfig(Strict):
     max_examples: int | None = Field(None, ge=1, description="evaluate on the first N held-out rows")
+    seen_examples: int = Field(
+        500, ge=0, description="also evaluate on this many training rows (a fixed sample): accuracy on "
+        "problems the model was trained on, against held-out accuracy, is the memorisation gap; 0 skips it")
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(256, ge=1)
+
+
+class ControlConfig(Strict):
+    """An SFT-only control: the SFT policy trained on by SFT for as long as GRPO ran, so GRPO's gain
+    is measured against the same compute spent on more SFT, not against SFT alone."""
+
+    enabled: bool = Field(False, description="run the control stage after grpo (needs grpo.enabled)")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate of the continued SFT (cosine to 0)")
+    warmup_steps: int = Field(10, ge=0)
+    time_factor: float = Field(
+        1.0, gt=0, description="the control's budget in GRPO's training seconds; its steps are that budget "
+        "over the SFT stage's measured seconds per step")
 
 
 class TrackingConfig(Strict):
@@ -283,6 +303,7 @@ class RunConfig(Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
@@ -293,6 +314,9 @@ class RunConfig(Strict):
                 "tokenizer.train=true with model.pretrained set: a pretrained model uses its own "
                 "tokenizer; set tokenizer.train=false"
             )
+        if self.control.enabled and not self.grpo.enabled:
+            raise ValueError("control.enabled=true needs grpo.enabled=true: the control's budget is GRPO's "
+                             "training time; enable grpo or set control.enabled=false")
         rb = self.rollout.prompts_per_round * self.rollout.n_samples_per_prompt
         if self.grpo.enabled and rb % self.grpo.mini_batches:
             raise ValueError(

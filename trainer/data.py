@@ -8,6 +8,7 @@ naming the file, row and field, or is skipped and counted when `on_bad_row: skip
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass, field
@@ -40,13 +41,16 @@ SUB = ["{p} gives away {n}.", "{p} loses {n}.", "{p} sells {n}."]
 MUL = ["{p} then has {n} times as many.", "The pile grows {n} times bigger."]
 
 
-def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, str]:
-    """One word problem: (question, step-by-step answer ending in `#### n`, final answer)."""
+def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, str, tuple]:
+    """One word problem: (question, step-by-step answer ending in `#### n`, final answer,
+    equation). The equation is (start value, (op, operand), ...): what the problem computes,
+    whatever its names and wording."""
     lo, hi = (1 if cfg.digits == 1 else 10 ** (cfg.digits - 1)), 10**cfg.digits - 1
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     value = rng.randint(lo, hi)
     sentences = [f"{name} has {value} {item}."]
     steps = []
+    equation: list = [value]
     for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
         op = rng.choice(cfg.ops)
         if op == "-" and value < lo:
@@ -56,38 +60,60 @@ def generate_problem(rng: random.Random, cfg: SyntheticData) -> tuple[str, str, 
         sentences.append(rng.choice(template).format(p=name, n=n))
         new = value + n if op == "+" else value - n if op == "-" else value * n
         steps.append(f"{value}{op}{n}={new}")
+        equation.append((op, n))
         value = new
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
     answer = "\n".join(steps) + f"\n#### {value}"
-    return question, answer, str(value)
+    return question, answer, str(value), tuple(equation)
+
+
+STALE_DRAWS = 100_000
+
+
+def held_out_equation(equation: tuple, seed: int, fraction: float) -> bool:
+    """Whether an equation belongs to the held-out side: a hash of (seed, equation), so the choice
+    is independent of how often the generator draws it and of its shape; every shape (number of
+    steps, operations) keeps the same share of held-out equations in expectation."""
+    digest = hashlib.sha256(repr((seed, equation)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
-    """Deterministic train/test sets; test problems never appear in train."""
+    """Deterministic train/test sets split by equation: a held-out problem's equation (start value,
+    every operation and operand) never appears in training, whatever the names and wording.
+
+    Problems come from one generator stream; each goes to the side its equation belongs to
+    (held_out_equation), so both sides keep the generator's mix of steps and operations. Test
+    questions are distinct; the same held-out equation may recur in test with other words."""
     rng = random.Random(seed)
     style = random.Random(f"{seed}/answer-style")  # its own stream: the questions do not depend on it
     seen: set[str] = set()
     test: list[dict[str, Any]] = []
     train: list[dict[str, Any]] = []
-    attempts = 0
+    stale = 0  # draws since the last one kept
     while len(test) < cfg.n_test or len(train) < cfg.n_train:
-        attempts += 1
-        if attempts > 50 * (cfg.n_train + cfg.n_test):
+        stale += 1
+        if stale > STALE_DRAWS:
             raise DataError(
-                f"data.synthetic: only {len(train) + len(test)} distinct problems exist for these "
-                "settings; raise digits or max_ops, or lower n_train/n_test"
+                f"data.synthetic: only {len(test)} distinct held-out problems (of n_test={cfg.n_test}) and "
+                f"{len(train)} training problems (of n_train={cfg.n_train}) were found: no new one in "
+                f"{STALE_DRAWS} draws, so these settings have no more distinct problems; raise digits or max_ops, "
+                "or lower n_train/n_test"
             )
-        q, a, final = generate_problem(rng, cfg)
-        bucket = test if len(test) < cfg.n_test else train
-        if q in seen and bucket is test:
-            continue
-        if bucket is test:
+        q, a, final, equation = generate_problem(rng, cfg)
+        if held_out_equation(equation, seed, cfg.held_out_fraction):
+            if len(test) >= cfg.n_test or q in seen:
+                continue
             seen.add(q)
-        elif q in seen:
-            continue  # never train on a held-out question
-        elif style.random() >= cfg.worked_fraction:
+            test.append(make_example(f"syn-{len(test)}", q, a, final))
+            stale = 0
+            continue
+        if len(train) >= cfg.n_train:
+            continue
+        stale = 0
+        if style.random() >= cfg.worked_fraction:
             a = f"#### {final}"
-        bucket.append(make_example(f"syn-{len(bucket)}", q, a, final))
+        train.append(make_example(f"syn-{len(train)}", q, a, final))
     return PreparedData(train=train, test=test)
 
 
