@@ -26,7 +26,7 @@ from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402
 
 STAGE_COMMANDS = ["speedrun", "prepare-data", "tokenizer", "sft", "grpo", "eval"]
-STAGES = ["prepare_data", "tokenizer", "sft", "grpo", "eval"]
+STAGES = ["prepare_data", "tokenizer", "sft", "grpo", "control", "eval"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +72,10 @@ def print_summary(result: dict, seconds: float) -> None:
     console.print(table)
     hits = sum(s["cache_hit"] for s in result["stages"])
     console.print(f"stages: {len(result['stages'])} ({hits} cache hits, {len(result['stages']) - hits} ran)")
+    from tasks.report import accuracy_lines
+
+    for line in accuracy_lines(result["headline"]):
+        console.print(line, markup=False, highlight=False)
     for k, v in result["headline"].items():
         if k != "wall_seconds":
             console.print(f"{k}: {v:.1%}" if "accuracy" in k else f"{k}: {v:.4g}")

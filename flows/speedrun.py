@@ -14,7 +14,8 @@ from pydantic import Field
 
 from flows.grpo import grpo_stage
 from tasks import report
-from tasks.eval import paired_comparison, run_eval
+from tasks.control import run_control
+from tasks.eval import paired_comparison, run_eval, seen
 from tasks.pipeline import pipeline_run
 from tasks.prepare_data import prepare_data
 from tasks.sft import run_sft
@@ -22,7 +23,7 @@ from tasks.tokenizer import train_tokenizer
 from trainer.config import load_config, preset_names
 from trainer.faults import POINTS
 
-STAGES = ("prepare_data", "tokenizer", "sft", "grpo", "eval")
+STAGES = ("prepare_data", "tokenizer", "sft", "grpo", "control", "eval")
 
 # Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
 Preset = Union[Literal[tuple(preset_names())],
@@ -70,6 +71,13 @@ def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
                 return run.result()
             final_eval = run.add(run_eval(cfg, data, policy, run.ref))
             run.report(**paired_comparison(sft_eval, final_eval))
+            if cfg.control.enabled:
+                control = run.add(run_control(cfg, data, sft, grpo, run.ref))
+                control_eval = run.add(run_eval(cfg, data, control, run.ref))
+                run.report(control_accuracy=control_eval["metrics"]["eval/accuracy"],
+                           **seen(control_eval, "control"),
+                           **paired_comparison(control_eval, final_eval, "vs_control_"))
+        run.report(**seen(sft_eval, "sft"), **seen(final_eval, "final"))
         run.report(final_accuracy=final_eval["metrics"]["eval/accuracy"])
         run.report(wall_seconds=run.elapsed())
         stages = {"prepare_data": data, "sft": sft, "grpo": grpo}
@@ -95,7 +103,8 @@ def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
 @flow(name="speedrun", log_prints=True)
 def speedrun(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
              nightly: bool = False, fault: Fault = {}) -> dict:  # noqa: B006 (Prefect form defaults)
-    """The whole pipeline: prepare_data -> tokenizer -> sft -> eval -> grpo -> eval.
+    """The whole pipeline: prepare_data -> tokenizer -> sft -> eval -> grpo -> eval, and with
+    control.enabled the SFT-only control -> eval.
 
     Args:
         preset: a preset under configs/ (or a YAML path)

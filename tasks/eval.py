@@ -5,6 +5,7 @@ Run alone: `posttrain eval --preset tiny` (evaluates the pipeline's final model)
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from prefect import task
@@ -27,6 +28,13 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         result = evaluate(policy, tok, load_split(data, "test"), cfg.eval)
         storage.write_jsonl(str(work / "results.jsonl"), result.rows)
         metrics = {**result.metrics(), "eval/seconds": result.seconds}
+        seen = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
+        if seen:
+            seen_result = evaluate(policy, tok, seen, cfg.eval.model_copy(update={"max_examples": None}))
+            storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
+            logger.log_table(seen_result.rows, "eval_seen_results.json")
+            metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),
+                            "eval/memorisation_gap": seen_result.accuracy - result.accuracy})
         logger.log_metrics(metrics)
         logger.log_table(result.rows, "eval_results.json")
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": model["stage"]}
@@ -34,15 +42,33 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
     return run_stage(label, cfg, SECTIONS["eval"], {"data": data, "model": model}, body, ref)
 
 
-def paired_comparison(before: dict, after: dict) -> dict[str, float]:
-    """Problems fixed / broken between two evals of the same held-out rows, and McNemar's z."""
+def seen_sample(train: list[dict], n: int, seed: int) -> list[dict]:
+    """A fixed sample of training rows (the same for every model of a run) to measure accuracy on
+    problems the model was trained on."""
+    if n <= 0:
+        return []
+    picked = random.Random(f"{seed}/seen-sample").sample(range(len(train)), min(n, len(train)))
+    return [train[i] for i in sorted(picked)]
+
+
+def paired_comparison(before: dict, after: dict, prefix: str = "grpo_") -> dict[str, float]:
+    """Held-out problems `after` gets right and `before` wrong (fixed), the reverse (broken), and
+    McNemar's z, as {prefix}fixed, {prefix}broken, {prefix}mcnemar_z (the default keeps the
+    names of the SFT -> GRPO comparison: grpo_fixed, grpo_broken, mcnemar_z)."""
     a = {r["id"]: r["correct"] for r in load_results(before)}
     b = {r["id"]: r["correct"] for r in load_results(after)}
     common = a.keys() & b.keys()
     fixed = sum(1 for k in common if b[k] and not a[k])
     broken = sum(1 for k in common if a[k] and not b[k])
     z = (fixed - broken) / (fixed + broken) ** 0.5 if fixed + broken else 0.0
-    return {"grpo_fixed": float(fixed), "grpo_broken": float(broken), "mcnemar_z": z}
+    z_name = "mcnemar_z" if prefix == "grpo_" else f"{prefix}mcnemar_z"
+    return {f"{prefix}fixed": float(fixed), f"{prefix}broken": float(broken), z_name: z}
+
+
+def seen(evaluation: dict, name: str) -> dict[str, float]:
+    """{name}_seen_accuracy: the model's accuracy on the sample of training problems, if measured."""
+    value = evaluation["metrics"].get("eval/seen_accuracy")
+    return {} if value is None else {f"{name}_seen_accuracy": value}
 
 
 def load_results(manifest: dict) -> list[dict]:

@@ -140,6 +140,11 @@ RULES: dict[str, KeyRule] = {
         "grpo.deepspeed.timeout_s": "how long the launch may take",
         "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
     }, content=_reward_content, extends="grpo.rounds"),
+    "control": KeyRule(("model", "sft", "control"), unkeyed={
+        "sft.log_every": "how often metrics are logged",
+        "sft.checkpoint_every": "resume from any checkpoint is exact",
+        "sft.deepspeed.timeout_s": "how long the launch may take",
+    }, content=_model_content),
     "eval": KeyRule(("eval",)),
 }
 

@@ -13,7 +13,8 @@ from tasks import lease
 from tasks.common import prefect_logger
 from trainer import storage
 
-COMPARED = ("final_accuracy", "sft_accuracy", "final_reward", "wall_seconds")
+COMPARED = ("final_accuracy", "sft_accuracy", "control_accuracy", "vs_control_mcnemar_z", "final_seen_accuracy",
+            "final_reward", "wall_seconds")
 
 
 # ---------------------------------------------------------------- plot
@@ -54,16 +55,35 @@ def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> b
     return buf.getvalue()
 
 
+def accuracy_lines(head: dict[str, float]) -> list[str]:
+    """Held-out and seen-equation accuracy of SFT, GRPO and the SFT-only control, then the paired
+    comparisons on the held-out problems (plain text: the CLI prints it, the summary quotes it)."""
+    rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy"))
+            for label, name in (("SFT", "sft"), ("GRPO", "final"), ("control (SFT only)", "control"))]
+    rows = [r for r in rows if r[1] is not None]
+    if not rows:
+        return []
+    lines = [f"{'model':<20}{'held-out':>10}{'seen':>10}{'gap':>10}"]
+    for label, held, seen in rows:
+        gap = f"{(seen - held) * 100:+.1f}pt" if seen is not None else "-"
+        lines.append(f"{label:<20}{held:>10.1%}{(f'{seen:.1%}' if seen is not None else '-'):>10}{gap:>10}")
+    if "grpo_fixed" in head:
+        lines.append(f"GRPO vs SFT:     fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
+                     f"problems, McNemar z = {head['mcnemar_z']:.2f}")
+    if "vs_control_fixed" in head:
+        lines.append(f"GRPO vs control: fixed {head['vs_control_fixed']:.0f}, broke {head['vs_control_broken']:.0f} "
+                     f"held-out problems, McNemar z = {head['vs_control_mcnemar_z']:.2f}")
+    return lines
+
+
 def summary_markdown(result: dict[str, Any], png: bytes) -> str:
     head = result["headline"]
     lines = [f"# posttrain {result['flow_name']} ({result['preset']})", "",
              f"MLflow run `{result['mlflow_run_id']}`", ""]
-    for k in ("sft_accuracy", "final_accuracy"):
-        if k in head:
-            lines.append(f"- **{k}**: {head[k]:.1%}")
-    if "grpo_fixed" in head:
-        lines.append(f"- GRPO fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} "
-                     f"held-out problems (McNemar z = {head['mcnemar_z']:.2f})")
+    table = accuracy_lines(head)
+    if table:
+        lines += ["Accuracy on held-out equations and on a sample of training problems (seen):", "", "```",
+                  *table, "```"]
     lines += ["", "| stage | status | wall s |", "|---|---|---|"]
     lines += [f"| {s['label']} | {'cache hit' if s['cache_hit'] else 'ran'} | {s['wall_seconds']:.1f} |"
               for s in result["stages"]]
@@ -178,11 +198,11 @@ class Comparison:
         else:
             b = self.baseline
             lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  (best earlier nightly by final_accuracy)")
-        lines.append(f"{'metric':<16}{'run':>12}{'baseline':>12}{'delta':>12}")
+        lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
         for name, mine, base in self.rows:
             delta = mine - base if mine is not None and base is not None else None
             pct = "accuracy" in name
-            lines.append(f"{name:<16}{_fmt(mine, pct):>12}{_fmt(base, pct):>12}{_fmt(delta, pct, sign=True):>12}")
+            lines.append(f"{name:<22}{_fmt(mine, pct):>12}{_fmt(base, pct):>12}{_fmt(delta, pct, sign=True):>12}")
         return "\n".join(lines)
 
     def deltas(self) -> dict[str, float]:

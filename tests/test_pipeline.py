@@ -14,8 +14,8 @@ SMALL = ["data.synthetic.n_train=600", "data.synthetic.n_test=40", "sft.max_step
          "sft.log_every=1", "grpo.rounds=4", "rollout.prompts_per_round=4", "rollout.n_samples_per_prompt=4",
          "rollout.max_response_tokens=24", "grpo.eval_every=2", "grpo.eval_examples=10", "grpo.pass_k=2",
          "grpo.checkpoint_every=2", "grpo.sample_table_every=2", "grpo.micro_batch_size=8",
-         "rollout.dynamic_filter=none"]
-STAGES = ["prepare_data", "tokenizer", "sft", "eval", "grpo", "eval"]
+         "rollout.dynamic_filter=none", "control.enabled=false"]  # the control: this file's first_run
+STAGES = ["prepare_data", "tokenizer", "sft", "eval", "grpo", "eval", "control", "eval"]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def first_run(tmp_path_factory):
     from flows.speedrun import speedrun
 
     root = tmp_path_factory.mktemp("artifacts")
-    overrides = SMALL + [f"artifact_root={root}"]
+    overrides = SMALL + [f"artifact_root={root}", "control.enabled=true"]
     return root, overrides, speedrun(preset="tiny", overrides=overrides)
 
 
@@ -53,7 +53,34 @@ def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
     assert head["sft_accuracy"] == evals[0]["metrics"]["eval/accuracy"]
     assert head["final_accuracy"] == evals[1]["metrics"]["eval/accuracy"]
     assert {"grpo_fixed", "grpo_broken", "mcnemar_z"} <= set(head)
+    assert head["control_accuracy"] == evals[2]["metrics"]["eval/accuracy"]
+    assert {"vs_control_fixed", "vs_control_broken", "vs_control_mcnemar_z"} <= set(head)
+    for name, ev in zip(("sft", "final", "control"), evals):  # 40 held-out rows; 500 seen, of 600 trained on
+        assert ev["metrics"]["eval/n"] == 40 and ev["metrics"]["eval/seen_n"] == 500
+        assert head[f"{name}_seen_accuracy"] == ev["metrics"]["eval/seen_accuracy"]
     assert (root / "runs" / result["mlflow_run_id"] / "config.yaml").is_file()
+
+
+def test_control_is_sft_continued_for_grpo_time(first_run):
+    """The control starts from the SFT policy (not from scratch) and takes as many SFT steps as
+    GRPO's training seconds at the SFT stage's measured seconds per step."""
+    from mlflow import MlflowClient
+
+    _, _, result = first_run
+    by = {s["label"]: s for s in result["stages"]}
+    sft, grpo, control = (json.loads((Path(by[k]["uri"]) / "manifest.json").read_text()) for k in ("sft", "grpo", "control"))
+    per_step = sft["result"]["train_seconds"] / sft["result"]["steps"]
+    steps = max(1, round(grpo["metrics"]["grpo/seconds"] / per_step))
+    assert control["metrics"]["control/steps"] == steps == control["result"]["steps"]
+    assert control["inputs"] == {"data": by["prepare_data"]["key"], "sft": sft["key"], "grpo": grpo["key"]}
+    assert by["eval (control)"]["metrics"]["eval/n"] == 40
+    client = MlflowClient()
+    sft_loss = [m.value for m in sorted(client.get_metric_history(sft["mlflow_run_id"], "train/loss"),
+                                        key=lambda m: m.step)]
+    control_first = min(client.get_metric_history(control["mlflow_run_id"], "train/loss"), key=lambda m: m.step).value
+    # from the SFT weights: the control's first loss is where SFT ended, not where it started
+    assert sft_loss[0] - sft_loss[-1] > 0.3, sft_loss
+    assert abs(control_first - sft_loss[-1]) < 0.3 * (sft_loss[0] - sft_loss[-1]), (sft_loss, control_first)
 
 
 def test_mlflow_parent_and_child_runs(first_run):
@@ -70,8 +97,11 @@ def test_mlflow_parent_and_child_runs(first_run):
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     by_stage = {c.data.tags["posttrain.stage"]: c for c in children}
-    assert set(by_stage) == {"prepare_data", "tokenizer", "sft", "grpo", "eval"}
-    assert len([c for c in children if c.data.tags["posttrain.stage"] == "eval"]) == 2
+    assert set(by_stage) == {"prepare_data", "tokenizer", "sft", "grpo", "control", "eval"}
+    assert len([c for c in children if c.data.tags["posttrain.stage"] == "eval"]) == 3
+    assert {"control_accuracy", "vs_control_mcnemar_z", "sft_seen_accuracy", "final_seen_accuracy"} <= set(
+        parent.data.metrics)
+    assert "model" in {a.path for a in client.list_artifacts(by_stage["control"].info.run_id)}
     sft = by_stage["sft"]
     losses = client.get_metric_history(sft.info.run_id, "train/loss")
     assert len(losses) >= 10 and losses[-1].value < losses[0].value
@@ -84,7 +114,7 @@ def test_mlflow_parent_and_child_runs(first_run):
     assert "rollouts" in artifacts and "model" in artifacts and "history.jsonl" in artifacts
     ev = by_stage["eval"]
     assert "eval/accuracy" in ev.data.metrics and "eval/format_rate" in ev.data.metrics
-    assert "eval_results.json" in {a.path for a in client.list_artifacts(ev.info.run_id)}
+    assert {"eval_results.json", "eval_seen_results.json"} <= {a.path for a in client.list_artifacts(ev.info.run_id)}
 
 
 def test_prefect_flow_run_completed_with_a_task_per_stage(first_run):
@@ -140,7 +170,7 @@ def test_changing_eval_settings_reuses_upstream(first_run):
     changed = speedrun(preset="tiny", overrides=overrides + ["eval.max_examples=10"])
     hits = [(s["stage"], s["cache_hit"]) for s in changed["stages"]]
     assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", True), ("eval", False),
-                    ("grpo", True), ("eval", False)]
+                    ("grpo", True), ("eval", False), ("control", True), ("eval", False)]
 
 
 def test_changing_only_grpo_settings_reuses_sft(first_run):
@@ -150,7 +180,7 @@ def test_changing_only_grpo_settings_reuses_sft(first_run):
     changed = speedrun(preset="tiny", overrides=overrides + ["grpo.lr=1e-5"])
     hits = [(s["stage"], s["cache_hit"]) for s in changed["stages"]]
     assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", True), ("eval", True),
-                    ("grpo", False), ("eval", False)]
+                    ("grpo", False), ("eval", False), ("control", False), ("eval", False)]
     sft_key = next(s["key"] for s in result["stages"] if s["stage"] == "sft")
     assert next(s["key"] for s in changed["stages"] if s["stage"] == "sft") == sft_key
 
@@ -162,7 +192,7 @@ def test_recompute_forces_a_stage_and_its_descendants(first_run):
     again = speedrun(preset="tiny", overrides=overrides, recompute=["sft"])
     hits = [(s["stage"], s["cache_hit"]) for s in again["stages"]]
     assert hits == [("prepare_data", True), ("tokenizer", True), ("sft", False), ("eval", False),
-                    ("grpo", False), ("eval", False)]
+                    ("grpo", False), ("eval", False), ("control", False), ("eval", False)]
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in result["stages"]]
     # deterministic on CPU: the recomputed result is the same
     assert again["headline"]["final_accuracy"] == result["headline"]["final_accuracy"]

@@ -1,0 +1,61 @@
+"""control stage: the SFT-only control. The SFT policy, trained on by SFT (same data, same batch)
+for as many seconds as GRPO trained, then exported and evaluated like the GRPO policy. GRPO's gain
+over it is what RL adds beyond spending the same compute on more SFT.
+
+Run as part of `posttrain speedrun` when control.enabled (the tiny preset enables it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import SECTIONS, TrackingRef, prefect_logger, run_launched, run_stage
+from tasks.sft import model_dir, train_and_export
+
+
+def control_steps(cfg, sft: dict, grpo: dict) -> int:
+    """SFT steps that take as long as GRPO trained: GRPO's seconds (x control.time_factor) over the
+    SFT stage's measured seconds per step. Fixed once both upstream results exist, so the control
+    is cached and resumed like any stage."""
+    result = sft["result"]
+    timed_steps = result["steps"] - (result.get("resumed_from_step") or 0)
+    per_step = result["train_seconds"] / max(timed_steps, 1)
+    budget = grpo["metrics"]["grpo/seconds"] * cfg.control.time_factor
+    return max(1, round(budget / max(per_step, 1e-9)))
+
+
+def control_config(cfg, sft: dict, steps: int):
+    """The run config of the continued SFT: from the SFT policy (and its tokenizer), `steps` steps
+    at control.lr, a data order of its own."""
+    c = cfg.control
+    sft_cfg = cfg.sft.model_copy(update={"lr": c.lr, "warmup_steps": min(c.warmup_steps, steps), "max_steps": steps,
+                                         "epochs": max(cfg.sft.epochs, steps), "max_seconds": None})
+    model = cfg.model.model_copy(update={"pretrained": str(model_dir(sft))})
+    tokenizer = cfg.tokenizer.model_copy(update={"train": False})
+    return cfg.model_copy(update={"sft": sft_cfg, "model": model, "tokenizer": tokenizer, "seed": cfg.seed + 1})
+
+
+@task(name="control", cache_policy=NO_CACHE)
+def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dict:
+    def body(work: Path, logger) -> dict:
+        steps = control_steps(cfg, sft, grpo)
+        run_cfg = control_config(cfg, sft, steps)
+        prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
+                              "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"],
+                              sft["result"]["train_seconds"] / max(sft["result"]["steps"], 1))
+        logger.log_params({"control.steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
+        if cfg.sft.deepspeed.launched:
+            out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,
+                               {"data": data, "tokenizer": None, "fault": None})
+        else:
+            out = train_and_export(run_cfg, data, None, work, logger)
+        metrics = {"control/steps": float(steps), "control/seconds": out["metrics"]["sft/train_seconds"],
+                   "control/grpo_seconds": grpo["metrics"]["grpo/seconds"],
+                   "control/final_loss": out["metrics"]["sft/final_loss"]}
+        logger.log_metrics(metrics)
+        return {**out, "metrics": {**out["metrics"], **metrics}}
+
+    return run_stage("control", cfg, SECTIONS["control"], {"data": data, "sft": sft, "grpo": grpo}, body, ref)
