@@ -140,8 +140,15 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
                 notes.append(f"GPUs {sorted(train_gpus & server_set)} are shared by training ranks and SGLang servers: "
                              "fine on one GPU (mem_fraction_static leaves room), otherwise set "
                              "rollout.sglang.first_gpu past the training ranks")
+    if until == "eval" and cfg.grpo.enabled and cfg.control.enabled:
+        folder = stage("control", {"data": manifests["prepare_data"], "sft": manifests["sft"], "grpo": manifests["grpo"]})
+        lines.append(f"  SFT-only control: SFT continued from the SFT policy at lr {cfg.control.lr:g} for "
+                     f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
+        lines += _how("sft", cfg.sft.deepspeed, folder)  # the control runs the sft body
     if until == "eval":
-        lines.append(f"{'eval':<13} after sft and after grpo: greedy accuracy on the held-out split")
+        after = "sft, grpo and the control" if cfg.grpo.enabled and cfg.control.enabled else "sft and after grpo"
+        seen = f"; on {cfg.eval.seen_examples} training problems too (seen)" if cfg.eval.seen_examples else ""
+        lines.append(f"{'eval':<13} after {after}: greedy accuracy on the held-out split{seen}")
     try:
         import torch
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mlflow import MlflowClient
 
 from tests.test_pipeline import SMALL
 
@@ -132,6 +133,21 @@ def test_grpo_two_ranks_match_one_rank(one_rank, two_rank_grpo):
             a["round"], a["update/grad_norm"], b["update/grad_norm"])
     # rank 0 ran the periodic evals of the 2-rank run
     assert [h["round"] for h in two if "eval/accuracy" in h] == [2, 4]
+
+
+def test_control_runs_on_two_ranks(root, two_rank_sft):
+    """With SFT launched on 2 ranks the control is too: the sft body from the SFT policy, for the
+    steps GRPO's seconds buy at the SFT stage's pace."""
+    from flows.speedrun import speedrun
+
+    result = run(speedrun, root, TWO_RANK_SFT + ["control.enabled=true"])
+    assert stage(result, "sft")["cache_hit"]
+    assert [s["label"] for s in result["stages"]][-2:] == ["control", "eval (control)"]
+    control, sft = manifest(result, "control"), manifest(result, "sft")
+    assert control["metrics"]["sft/world_size"] == 2
+    assert control["result"]["steps"] == control["metrics"]["control/steps"] >= 1
+    first = min(MlflowClient().get_metric_history(control["mlflow_run_id"], "train/loss"), key=lambda m: m.step)
+    assert first.value < sft_losses(result)[0] - 0.3  # from the SFT weights, not from scratch
 
 
 def _no_rank_left(spec_marker: str) -> list[psutil.Process]:

@@ -19,7 +19,8 @@ def nightlies(tmp_path_factory):
     from flows.cli import main
 
     root = tmp_path_factory.mktemp("nightly")
-    base = SMALL + [f"artifact_root={root}", f"tracking.experiment={EXPERIMENT}", f"tracking.registered_model={MODEL}"]
+    base = SMALL + [f"artifact_root={root}", f"tracking.experiment={EXPERIMENT}", f"tracking.registered_model={MODEL}",
+                    "control.enabled=true"]
     results = []
     for i, extra in enumerate([[], ["grpo.lr=3e-3"]]):
         argv = ["speedrun", "--nightly", "--json", str(root / f"r{i}.json")]
@@ -50,11 +51,13 @@ def test_compare_cli_prints_latest_nightly_against_best_earlier(nightlies, capsy
     client = MlflowClient()
     a, b = (client.get_run(r["mlflow_run_id"]).data.metrics for r in (second, first))
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
-    for metric in ("final_accuracy", "sft_accuracy"):
+    for metric in ("final_accuracy", "sft_accuracy", "control_accuracy", "final_seen_accuracy"):
         assert rows[metric][1] == f"{a[metric]:.1%}" and rows[metric][2] == f"{b[metric]:.1%}"
         assert rows[metric][3] == f"{(a[metric] - b[metric]) * 100:+.1f}"
     assert rows["wall_seconds"][3] == f"{a['wall_seconds'] - b['wall_seconds']:+.4g}"
     assert rows["final_reward"][3] == f"{a['final_reward'] - b['final_reward']:+.4g}"
+    z = "vs_control_mcnemar_z"
+    assert rows[z][1:] == [f"{a[z]:.4g}", f"{b[z]:.4g}", f"{a[z] - b[z]:+.4g}"]
     # the nightly flow logged the same comparison on its run
     second_run = client.get_run(second["mlflow_run_id"])
     assert second_run.data.tags["posttrain.compared_with"] == first["mlflow_run_id"]
@@ -125,7 +128,9 @@ def test_prefect_artifacts_and_mlflow_plot(nightlies):
     assert "data:image/png;base64," in md and "final_accuracy" in md and "Against the best earlier nightly" in md
     table = artifacts["table"].data
     rows = json.loads(table) if isinstance(table, str) else table
-    assert [r["model"] for r in rows] == ["eval (sft)", "eval (grpo)"]
+    assert [r["model"] for r in rows] == ["eval (sft)", "eval (grpo)", "eval (control)"]
     assert rows[1]["accuracy"] == round(result["headline"]["final_accuracy"], 4)
+    assert rows[2]["seen_accuracy"] == round(result["headline"]["control_seen_accuracy"], 4)
+    assert "GRPO vs control: fixed" in md and "control (SFT only)" in md
     paths = {a.path for a in MlflowClient().list_artifacts(result["mlflow_run_id"], "plots")}
     assert any(p.startswith("plots/progress") for p in paths), paths
