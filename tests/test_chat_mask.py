@@ -48,3 +48,27 @@ def test_truncation_reports_and_cuts(tiny_tokenizer):
     assert not full.truncated and cut.truncated
     assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
     assert not any(cut.loss_mask)  # the answer was cut off entirely
+
+
+def test_batched_encoding_is_the_per_call_tokenization(tiny_tokenizer):
+    """encode_many tokenizes every rendering in batches through the Rust backend; the ids are the
+    ones `tok(text)` gives text by text, across chunk boundaries and mixed conversation shapes."""
+    from trainer.chat import encode_many
+    from trainer.config import SyntheticData
+    from trainer.data import synthetic
+
+    tok = tiny_tokenizer
+    convs = [ex["messages"] for ex in synthetic(SyntheticData(n_train=40, n_test=5, worked_fraction=0.5), 1).train]
+    convs += [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ben has 2 cups."},
+               {"role": "assistant", "content": "#### 2"}, {"role": "user", "content": "He buys 4 more."},
+               {"role": "assistant", "content": "2+4=6\n#### 6"}]]
+    many = encode_many(tok, convs, max_length=48, chunk=7)
+    assert len(many) == len(convs)
+    for messages, enc in zip(convs, many):
+        text = tok.apply_chat_template(messages, tokenize=False)
+        full = tok(text, add_special_tokens=False)["input_ids"]
+        assert enc.input_ids == full[:48] and enc.truncated == (len(full) > 48)
+        masked = _decode_masked(tok, enc, 1)
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        if not enc.truncated:
+            assert masked == "".join(a + "<|end|>" for a in answers)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from trainer import checkpoint, engine as ds, faults
-from trainer.chat import encode_chat
+from trainer.chat import encode_many
 from trainer.config import RunConfig
 from trainer.errors import InputError
 from trainer.progress import progress_bar
@@ -40,7 +40,7 @@ class SFTResult:
 
 
 def encode_dataset(tok: PreTrainedTokenizerBase, examples: list[dict], max_length: int):
-    encoded = [encode_chat(tok, ex["messages"], max_length) for ex in examples]
+    encoded = encode_many(tok, [ex["messages"] for ex in examples], max_length)
     n_truncated = sum(e.truncated for e in encoded)
     kept = [e for e in encoded if any(e.loss_mask)]  # truncation can cut every assistant token
     return kept, n_truncated
