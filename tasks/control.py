@@ -16,21 +16,26 @@ from tasks.common import SECTIONS, TrackingRef, prefect_logger, run_launched, ru
 from tasks.sft import model_dir, train_and_export
 
 
+def sft_seconds_per_step(sft: dict) -> float:
+    """The SFT stage's measured pace (its timed steps: those after a resume, if it resumed)."""
+    result = sft["result"]
+    timed_steps = result["steps"] - (result.get("resumed_from_step") or 0)
+    return max(result["train_seconds"] / max(timed_steps, 1), 1e-9)
+
+
 def control_steps(cfg, sft: dict, grpo: dict) -> int:
     """SFT steps that take as long as GRPO trained: GRPO's seconds (x control.time_factor) over the
     SFT stage's measured seconds per step. Fixed once both upstream results exist, so the control
     is cached and resumed like any stage."""
-    result = sft["result"]
-    timed_steps = result["steps"] - (result.get("resumed_from_step") or 0)
-    per_step = result["train_seconds"] / max(timed_steps, 1)
     budget = grpo["metrics"]["grpo/seconds"] * cfg.control.time_factor
-    return max(1, round(budget / max(per_step, 1e-9)))
+    return max(1, round(budget / sft_seconds_per_step(sft)))
 
 
 def control_config(cfg, sft: dict, steps: int):
     """The run config of the continued SFT: from the SFT policy (and its tokenizer), `steps` steps
     at control.lr, a data order of its own."""
     c = cfg.control
+    # epochs >= steps: the planned step count is max_steps, whatever the dataset size
     sft_cfg = cfg.sft.model_copy(update={"lr": c.lr, "warmup_steps": min(c.warmup_steps, steps), "max_steps": steps,
                                          "epochs": max(cfg.sft.epochs, steps), "max_seconds": None})
     model = cfg.model.model_copy(update={"pretrained": str(model_dir(sft))})
@@ -44,8 +49,7 @@ def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dic
         steps = control_steps(cfg, sft, grpo)
         run_cfg = control_config(cfg, sft, steps)
         prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
-                              "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"],
-                              sft["result"]["train_seconds"] / max(sft["result"]["steps"], 1))
+                              "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"], sft_seconds_per_step(sft))
         logger.log_params({"control.steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
         if cfg.sft.deepspeed.launched:
             out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,

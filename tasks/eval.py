@@ -28,9 +28,9 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         result = evaluate(policy, tok, load_split(data, "test"), cfg.eval)
         storage.write_jsonl(str(work / "results.jsonl"), result.rows)
         metrics = {**result.metrics(), "eval/seconds": result.seconds}
-        seen = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
-        if seen:
-            seen_result = evaluate(policy, tok, seen, cfg.eval.model_copy(update={"max_examples": None}))
+        seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
+        if seen_rows:
+            seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}))
             storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
             logger.log_table(seen_result.rows, "eval_seen_results.json")
             metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),

@@ -122,14 +122,16 @@ class KeyRule:
     extends: str | None = None  # a field whose increase continues the stage's result
 
 
+SFT_UNKEYED = {
+    "sft.log_every": "how often metrics are logged",
+    "sft.checkpoint_every": "resume from any checkpoint is exact",
+    "sft.deepspeed.timeout_s": "how long the launch may take",
+}
+
 RULES: dict[str, KeyRule] = {
     "prepare_data": KeyRule(("data",), content=_data_content),
     "tokenizer": KeyRule(("tokenizer",)),
-    "sft": KeyRule(("model", "tokenizer", "sft"), unkeyed={
-        "sft.log_every": "how often metrics are logged",
-        "sft.checkpoint_every": "resume from any checkpoint is exact",
-        "sft.deepspeed.timeout_s": "how long the launch may take",
-    }, content=_model_content),
+    "sft": KeyRule(("model", "tokenizer", "sft"), unkeyed=SFT_UNKEYED, content=_model_content),
     "grpo": KeyRule(("rollout", "grpo"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
@@ -140,11 +142,7 @@ RULES: dict[str, KeyRule] = {
         "grpo.deepspeed.timeout_s": "how long the launch may take",
         "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
     }, content=_reward_content, extends="grpo.rounds"),
-    "control": KeyRule(("model", "sft", "control"), unkeyed={
-        "sft.log_every": "how often metrics are logged",
-        "sft.checkpoint_every": "resume from any checkpoint is exact",
-        "sft.deepspeed.timeout_s": "how long the launch may take",
-    }, content=_model_content),
+    "control": KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=_model_content),  # runs SFT
     "eval": KeyRule(("eval",)),
 }
 
