@@ -215,11 +215,20 @@ class RolloutConfig(Strict):
         "nonzero_std", description="nonzero_std drops groups whose rewards all agree (no learning signal)")
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are skipped and counted")
     max_response_tokens: int = Field(48, ge=1)
+    min_response_tokens: int = Field(0, ge=0, description="end-of-sequence is not sampled before this many new "
+                                     "tokens (benchmarks: fixed-length completions)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     batch_size: int = Field(512, ge=1, description="sequences per generate call: the unit the ranks share out "
                             "(with N ranks keep it at most a round's sequences / N)")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "RolloutConfig":
+        if self.min_response_tokens > self.max_response_tokens:
+            raise ValueError(f"min_response_tokens ({self.min_response_tokens}) is above max_response_tokens "
+                             f"({self.max_response_tokens}); lower it or raise max_response_tokens")
+        return self
 
 
 class RewardSpec(Strict):

@@ -35,6 +35,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    min_new_tokens: int = 0
 
 
 class RolloutEngine(Protocol):
@@ -51,7 +52,8 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
-                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed)
+                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
+                        min_new_tokens=params.min_new_tokens)
 
     def update_weights(self, model_dir: str | None) -> None:
         pass  # shares the trainer's parameters
@@ -193,7 +195,8 @@ class RolloutManager:
         for c in range(ds.rank(), len(chunks), ds.world_size()):
             prompts = [self._prompt(i) for i in chunks[c] for _ in range(n)]
             params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p,
-                                    seed=self.seed * 100_003 + round_ + CHUNK_SEED_STRIDE * c)
+                                    seed=self.seed * 100_003 + round_ + CHUNK_SEED_STRIDE * c,
+                                    min_new_tokens=cfg.min_response_tokens)
             gens = self.engine.generate(prompts, params)
             n_tokens += sum(len(g.token_ids) for g in gens)
             for g_i, ex_i in enumerate(chunks[c]):

@@ -279,7 +279,8 @@ class SGLangEngine:
             # one seed per sample: with a shared seed the n samples of a group would be identical
             # wherever SGLang honours seeds (see README, "Reproducibility")
             sp = {"temperature": params.temperature, "top_p": params.top_p,
-                  "max_new_tokens": params.max_new_tokens, "skip_special_tokens": True}
+                  "max_new_tokens": params.max_new_tokens, "min_new_tokens": params.min_new_tokens,
+                  "skip_special_tokens": True}
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed + i
             return sp

@@ -1,0 +1,244 @@
+"""The reference GRPO workload of `make bench`, run by TRL's GRPOTrainer or by posttrain's.
+
+One session = one tool on one shape in its own process (so peak RSS is that tool's alone):
+`python -m tests.bench_ref --tool trl|posttrain --shape ref|ref-kl|large` prints one JSON line
+with per-step seconds (step, generation, reward, update), generated tokens and peak RSS.
+`tests/bench.py` runs the sessions interleaved and compares them.
+
+The workload (issue 14): a random-init Llama (seed 42), a character-level tokenizer with a
+`<|role|>content</s>` chat template, prompts "What is a + b?" (a, b from random.Random(42) in
+10-99), 8 prompts x 8 samples a step, exactly `new_tokens` new tokens each, temperature 1, lr 1e-5
+constant, clip 0.2, grad clip 1.0, one optimizer step over one micro-batch a step, reward 1 when
+the sum's digits appear as a number in the completion; 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHARS = "0123456789 abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,?!+-*/=:;'()"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    new_tokens: int = 32
+    prompts: int = 8
+    samples: int = 8
+    kl: float = 0.0
+    steps: int = 20   # measured
+    warmup: int = 2   # excluded
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.samples
+
+
+SHAPES = {
+    "ref": Shape(),
+    "ref-kl": Shape(kl=0.04),
+    # 6x the parameters and twice the completion length: where per-token overhead matters less
+    "large": Shape(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=1024, new_tokens=64, steps=8),
+}
+
+
+def tokenizer(out_dir: Path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out_dir))
+    return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+
+
+def model(shape: Shape, tok):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(42)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                      intermediate_size=shape.intermediate, max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).float()
+
+
+def problems(n: int) -> list[dict]:
+    rng = random.Random(42)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        out.append({"id": f"add-{i}", "question": f"What is {a} + {b}?", "answer": str(a + b)})
+    return out
+
+
+def digits_reward(response: str, example: dict) -> float:
+    """1 when the answer appears as a whole number in the completion (posttrain's reward signature)."""
+    return 1.0 if example["answer"] in re.findall(r"\d+", response) else 0.0
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------- TRL
+
+def run_trl(shape: Shape, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tokenizer(work / "tok")
+    policy = model(shape, tok)
+    n_steps = shape.steps + shape.warmup
+    rows = problems(shape.prompts * n_steps)
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                            for r in rows])
+    timing = {"generate": [], "reward": [], "tokens": []}
+
+    def reward(completions, answer, **_):
+        t0 = time.perf_counter()
+        out = [digits_reward(c[0]["content"] if isinstance(c, list) else c, {"answer": a})
+               for c, a in zip(completions, answer)]
+        timing["reward"].append(time.perf_counter() - t0)
+        return out
+
+    args = GRPOConfig(
+        output_dir=str(work / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=10**6, max_steps=n_steps, per_device_train_batch_size=shape.batch,
+        gradient_accumulation_steps=1, num_generations=shape.samples, max_completion_length=shape.new_tokens,
+        generation_kwargs={"min_new_tokens": shape.new_tokens}, temperature=1.0, learning_rate=1e-5,
+        lr_scheduler_type="constant", warmup_steps=0, epsilon=0.2, max_grad_norm=1.0, beta=shape.kl,
+        num_iterations=1, seed=42, dataloader_num_workers=0, shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    inner = trainer._generate_single_turn
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        timing["generate"].append(time.perf_counter() - t0)
+        timing["tokens"].append(sum(len(c) for c in out[1]))  # (prompt_ids, completion_ids, ...)
+        return out
+
+    trainer._generate_single_turn = timed_generate
+    steps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            steps.append(time.perf_counter() - self.t0)
+
+    trainer.add_callback(Clock())
+    torch.manual_seed(42)
+    trainer.train()
+    return {"step": steps, "generate": timing["generate"], "reward": timing["reward"], "tokens": timing["tokens"]}
+
+
+# ---------------------------------------------------------------- posttrain
+
+def posttrain_config(shape: Shape):
+    from trainer.config import load_config
+
+    return load_config("tiny", [
+        f"grpo.rounds={shape.steps + shape.warmup}", "grpo.lr=1e-5", "grpo.warmup_rounds=0", "grpo.clip_low=0.2",
+        "grpo.clip_high=0.2", "grpo.grad_clip=1.0", f"grpo.kl_coef={shape.kl}", "grpo.entropy_coef=0",
+        "grpo.mini_batches=1", "grpo.epochs=1", f"grpo.micro_batch_size={shape.batch}", "grpo.eval_every=100000",
+        "grpo.checkpoint_every=100000", "grpo.weight_decay=0",
+        "grpo.rewards=[{name: 'tests.bench_ref:digits_reward'}]",
+        f"rollout.prompts_per_round={shape.prompts}", f"rollout.n_samples_per_prompt={shape.samples}",
+        "rollout.over_sample=1.0", "rollout.dynamic_filter=none", f"rollout.max_response_tokens={shape.new_tokens}",
+        f"rollout.min_response_tokens={shape.new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        f"rollout.batch_size={shape.batch}", "seed=42",
+    ])
+
+
+def run_posttrain(shape: Shape, work: Path) -> dict:
+    import torch
+
+    from trainer.grpo import GRPOTrainer
+
+    tok = tokenizer(work / "tok")
+    policy = model(shape, tok)
+    rows = problems(shape.prompts * (shape.steps + shape.warmup))
+    train = [{"id": r["id"], "answer": r["answer"],
+              "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": ""}]}
+             for r in rows]
+    trainer = GRPOTrainer(posttrain_config(shape), policy, tok, train, train[:8], work / "grpo")
+    out = {"step": [], "generate": [], "reward": [], "update": [], "tokens": []}
+    torch.manual_seed(42)
+    while not trainer.done():
+        t0 = time.perf_counter()
+        batch = trainer.score(trainer.rollout())
+        stats = trainer.update(batch)
+        trainer.sync()
+        out["step"].append(time.perf_counter() - t0)
+        out["generate"].append(stats["time/generate_seconds"])
+        out["reward"].append(stats["time/reward_seconds"])
+        out["update"].append(stats["time/update_seconds"])
+        out["tokens"].append(stats["rollout/generated_tokens"])
+    return out
+
+
+def summarise(raw: dict, shape: Shape) -> dict:
+    """Medians over the measured steps (the first `warmup` excluded)."""
+    w = shape.warmup
+    med = {k: statistics.median(v[w:]) for k, v in raw.items() if k != "tokens" and len(v) > w}
+    gen_tokens = sum(raw["tokens"][w:])
+    gen_seconds = sum(raw["generate"][w:])
+    if "update" not in med:  # TRL does not time its update separately: the step less generation and reward
+        med["update"] = statistics.median(s - g - r for s, g, r in zip(raw["step"][w:], raw["generate"][w:],
+                                                                        raw["reward"][w:]))
+    return {**med, "gen_tokens_per_second": gen_tokens / gen_seconds,
+            "tokens_per_step": gen_tokens / len(raw["tokens"][w:]), "peak_rss_mib": peak_rss_mib(),
+            "steps_measured": len(raw["step"][w:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tool", choices=["trl", "posttrain"], required=True)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="ref")
+    a = ap.parse_args()
+    import logging
+    import os
+
+    import torch
+
+    torch.set_num_threads(2)
+    logging.basicConfig(level=logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    shape = SHAPES[a.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = (run_trl if a.tool == "trl" else run_posttrain)(shape, Path(tmp))
+    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, **summarise(raw, shape), "raw": raw})
+                     + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The fast decoder (`trainer.fastgen`) against HF `generate` and the trainer's forward.
+
+Greedy tokens must be identical to `generate`'s on the same weights and prompts (left padding,
+uneven lengths, early EOS), for each architecture it covers: Llama with grouped-query attention,
+Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k norms, its own head_dim). Sampling's log-probabilities must be the
+trainer's (the TIS ratio depends on it), and an optimizer step must reach the next generation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tests.bench_ref import problems, tokenizer
+from trainer.chat import encode_prompt
+from trainer.fastgen import FastDecoder, unsupported
+from trainer.generate import decoder_for, generate
+from trainer.grpo import pack, token_logprobs
+from trainer.rollout import Sample
+
+COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _model(kind: str, tok) -> torch.nn.Module:
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    torch.manual_seed(3)
+    if kind == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**COMMON, **ids, tie_word_embeddings=False))
+    elif kind == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**COMMON, **ids, tie_word_embeddings=True,
+                                                     initializer_range=0.3))  # as Qwen2.5-0.5B
+    else:
+        m = Qwen3ForCausalLM(Qwen3Config(**COMMON, **ids, head_dim=16, tie_word_embeddings=False))
+    head = m.get_output_embeddings().weight
+    with torch.no_grad():
+        if not m.config.tie_word_embeddings:  # (a tied head is the embedding: it stays as it is)
+            head.mul_(8.0)  # sharper than random init
+        # EOS takes the place of the token greedy decoding picks most: some rows stop early, not all
+        probe = sum(_hf_greedy(m.eval(), tok, _prompts(tok, 8), 12), [])
+        common, original = max(set(probe), key=probe.count), head[tok.eos_token_id].clone()
+        for scale in (1.01, 0.99, 0.97, 0.94, 0.9, 0.85, 0.8):
+            head[tok.eos_token_id] = head[common] * scale
+            if len({len(g) for g in _hf_greedy(m, tok, _prompts(tok, 24), 30)}) >= 3:
+                break
+        else:
+            head[tok.eos_token_id] = original
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def char_tok(tmp_path_factory):
+    return tokenizer(tmp_path_factory.mktemp("chartok"))
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    """Uneven lengths: some questions carry a system turn, some are cut short."""
+    out = []
+    for i, p in enumerate(problems(n)):
+        msgs = [{"role": "user", "content": p["question"][: 16 - (i % 6)]}]
+        if i % 3 == 0:
+            msgs.insert(0, {"role": "system", "content": "Be brief."})
+        out.append(encode_prompt(tok, msgs))
+    return out
+
+
+def _hf_greedy(model, tok, prompts, max_new):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    rows = []
+    for r in range(len(prompts)):
+        toks = out[r, width:].tolist()
+        rows.append(toks[: toks.index(tok.eos_token_id) + 1] if tok.eos_token_id in toks else toks)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_identical_to_hf_generate(char_tok, kind):
+    model = _model(kind, char_tok)
+    assert unsupported(model) is None
+    prompts = _prompts(char_tok, 48)
+    want = _hf_greedy(model, char_tok, prompts, 40)
+    got = generate(model, char_tok, prompts, 40, temperature=0.0, batch_size=20, logprobs=False)
+    assert [g.token_ids for g in got] == want
+    lengths = [len(w) for w in want]
+    assert len(set(lengths)) >= 3  # rows stop at different steps: the batch shrinks mid-decode
+    assert all(g.finish_reason == ("stop" if g.token_ids[-1] == char_tok.eos_token_id else "length") for g in got)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p):
+    """Per-token log-probs of sampled tokens against the trainer's full forward (right padding):
+    within 1e-4; groups of identical prompts share their prefill."""
+    model = _model(kind, char_tok)
+    prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
+    gens = generate(model, char_tok, prompts, 24, temperature=temperature, top_p=top_p, seed=5)
+    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
+    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
+    assert packed.mask.sum() > 200
+    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    # the samples of one prompt differ (each row draws its own tokens)
+    assert len({tuple(g.token_ids) for g in gens[:4]}) > 1
+
+
+def test_min_new_tokens_holds_back_eos(char_tok):
+    model = _model("llama", char_tok)
+    with torch.no_grad():  # EOS nearly certain at every step
+        model.lm_head.weight[char_tok.eos_token_id] += 50 * model.lm_head.weight.std()
+    prompts = _prompts(char_tok, 8)
+    free = generate(model, char_tok, prompts, 12, temperature=1.0, seed=1)
+    held = generate(model, char_tok, prompts, 12, temperature=1.0, seed=1, min_new_tokens=5)
+    assert all(g.token_ids == [char_tok.eos_token_id] for g in free)
+    assert all(len(g.token_ids) >= 6 and g.token_ids[-1] == char_tok.eos_token_id for g in held)
+    assert all(char_tok.eos_token_id not in g.token_ids[:5] for g in held)
+
+
+def test_an_optimizer_step_reaches_the_next_generation(char_tok):
+    """The packed weights follow in-place updates (the trainer's AdamW) and whole-tensor swaps (a resume)."""
+    model = _model("llama", char_tok)
+    prompts = _prompts(char_tok, 12)
+    decoder_for(model)
+    generate(model, char_tok, prompts, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    ids = torch.tensor([prompts[0]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    got = generate(model, char_tok, prompts, 16, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 16)
+    model.load_state_dict({k: v * 1.5 for k, v in model.state_dict().items()})
+    got = generate(model, char_tok, prompts, 16, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 16)
+
+
+def test_other_models_fall_back_to_hf_generate(char_tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(char_tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                       eos_token_id=char_tok.eos_token_id, pad_token_id=char_tok.pad_token_id)).eval()
+    assert "gpt2" in unsupported(model)
+    with pytest.raises(ValueError, match="gpt2"):
+        FastDecoder(model)
+    prompts = _prompts(char_tok, 4)
+    got = generate(model, char_tok, prompts, 8, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 8)

@@ -1,0 +1,243 @@
+"""Batched decoding for Llama-family models without `generate`'s per-token machinery.
+
+HF `generate` on a small model on CPU spends most of each token outside the matmuls: the cache
+object, the attention-mask construction, rotary embeddings recomputed, logits processors. This
+decoder runs the same layers with the same weights as plain tensor code:
+
+- a preallocated KV cache per layer ([B, kv_heads, prompt + max_new, head_dim]), written in place;
+- q/k/v and gate/up projections fused into one matmul each, weights stored transposed (packed
+  again at every call: it costs about one decoding step);
+- the samples of one prompt share its prefill;
+- rotary cos/sin from the model's own rotary module, computed once for every position;
+- grouped-query attention as SDPA over [B, kv_heads, groups, head_dim] queries (no K/V repeat);
+- finished sequences leave the batch, so a round whose answers end early stops paying for them.
+
+It covers Llama, Mistral (no sliding window), Qwen2 and Qwen3 on CPU; `unsupported()` names why
+any other model falls back to `generate`. The results are the model's own forward up to float
+rounding: `tests/test_fastgen.py` checks greedy tokens identical to HF `generate`'s and sampling
+log-probabilities against the trainer's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the position alone
+COMPACT_FRACTION = 0.25  # drop finished rows once this share of the live batch has finished
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the fast decoder cannot run `model` (None when it can)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {sorted(SUPPORTED)}"
+    if next(model.parameters()).device.type != "cpu":
+        return "the model is not on the CPU (the fast path is verified on CPU only)"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(cfg, "use_sliding_window", False) or (kind == "mistral" and cfg.sliding_window is not None):
+        return "sliding-window attention"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rope_type {rope!r} depends on the sequence length"
+    return None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The models' RMSNorm, in their order of operations (float32 inside, weight after the cast back)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ b) with W^T stored contiguous: MKL runs these thin matmuls ~10 % faster than F.linear's."""
+    y = x @ weight_t
+    return y if bias is None else y + bias
+
+
+class _Layer:
+    __slots__ = ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "wd", "qn", "kn")
+
+
+class FastDecoder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"fast decoding does not support this model: {reason}")
+        self.model = model
+        cfg = model.config
+        self.eps = cfg.rms_norm_eps
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.max_positions = cfg.max_position_embeddings
+        self.cos = self.sin = None
+
+    # -- weights
+    def _pack(self) -> None:
+        """Pack the weights as they are now. Done at every decode call: optimizers (DeepSpeed's among
+        them) may write through `.data`, which no version counter sees, and the copy costs about one
+        decoding step."""
+        inner = self.model.model
+        layers = []
+        with torch.no_grad():
+            for block in inner.layers:
+                a, m = block.self_attn, block.mlp
+                L = _Layer()
+                L.ln1 = (block.input_layernorm.weight.detach(), block.input_layernorm.variance_epsilon)
+                L.ln2 = (block.post_attention_layernorm.weight.detach(), block.post_attention_layernorm.variance_epsilon)
+                L.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().t().contiguous()
+                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                L.bqkv = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+                L.wo = a.o_proj.weight.detach().t().contiguous()
+                L.bo = a.o_proj.bias.detach() if a.o_proj.bias is not None else None
+                L.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().t().contiguous()
+                L.wd = m.down_proj.weight.detach().t().contiguous()
+                qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+                L.qn = (qn.weight.detach(), qn.variance_epsilon) if qn is not None else None
+                L.kn = (kn.weight.detach(), kn.variance_epsilon) if kn is not None else None
+                layers.append(L)
+            self.layers = layers
+            self.embed = inner.embed_tokens.weight.detach()
+            self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
+            self.head = self.model.get_output_embeddings().weight.detach().t().contiguous()
+            self.scaling = inner.layers[0].self_attn.scaling
+            if self.cos is None:
+                pos = torch.arange(self.max_positions)[None]
+                cos, sin = inner.rotary_emb(self.embed[None, :1], position_ids=pos)
+                self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim]
+
+    # -- the forward pass
+    def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
+               vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """h [B, S, H] (S new positions written at cache[start:start+S]); mask [B, 1, S, start+S] bool."""
+        B, S, _ = h.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        x = _rms(h, *L.ln1)
+        qkv = _linear(x, L.wqkv, L.bqkv)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
+        if L.qn is not None:
+            q, k = _rms(q, *L.qn), _rms(k, *L.kn)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        end = start + S
+        kcache[:, :, start:end] = k.transpose(1, 2)
+        vcache[:, :, start:end] = v.transpose(1, 2)
+        g = nh // nkv
+        # queries grouped under their KV head: [B, kv, g*S, hd] attend [B, kv, end, hd]
+        qg = q.view(B, S, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * S, hd)
+        m = mask if g == 1 else mask.expand(B, 1, S, end).repeat(1, 1, g, 1)
+        if S == 1:  # one query row per head: plain matmuls beat the SDPA kernel's set-up on CPU
+            scores = (qg @ kcache[:, :, :end].transpose(-1, -2)) * self.scaling
+            o = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1) @ vcache[:, :, :end]
+        else:
+            o = F.scaled_dot_product_attention(qg, kcache[:, :, :end], vcache[:, :, :end], attn_mask=m,
+                                               scale=self.scaling)
+        o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
+        h = h + _linear(o, L.wo, L.bo)
+        x = _rms(h, *L.ln2)
+        gate, up = (x @ L.wgu).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ L.wd
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches, start: int,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """Logits of the last of the S new positions, [B, V]."""
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, hd]
+        for L, (kc, vc) in zip(self.layers, caches):
+            h = self._block(L, h, cos, sin, kc, vc, start, mask)
+        return _rms(h[:, -1], *self.norm) @ self.head
+
+    # -- decoding
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
+               top_p: float = 1.0, min_new: int = 0, logprobs: bool = True,
+               generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """New tokens of each prompt (ending at EOS, which is kept, or at max_new) and their log-probs
+        under softmax(logits / T) (greedy: T = 1)."""
+        self._pack()
+        B = len(prompts)
+        width = max(len(p) for p in prompts)
+        if width + max_new > self.max_positions:
+            max_new = max(0, self.max_positions - width)  # as the model itself could not go further
+        ids = torch.full((B, width), pad, dtype=torch.long)
+        valid = torch.zeros((B, width + max_new), dtype=torch.bool)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[r, width - len(p):width] = True
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        # Samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs once and
+        # its cache rows are copied out to the samples.
+        first: dict[tuple[int, ...], int] = {}
+        inverse = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts])
+        uniq = torch.tensor(list(first.values())) if len(first) == B else None
+        rows = torch.tensor([prompts.index(list(p)) for p in first]) if uniq is None else torch.arange(B)
+        U = len(rows)
+        dtype = self.embed.dtype
+        caches = [(torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype),
+                   torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype)) for _ in self.layers]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        # a left pad attends to itself only (no all-masked row); real tokens never see a pad
+        mask = (causal & valid[rows, None, :width]) | torch.eye(width, dtype=torch.bool)
+        logits = self._forward(ids[rows], positions[rows], caches, 0, mask[:, None])
+        if U < B:
+            logits = logits[inverse]
+            caches = [(kc[inverse], vc[inverse]) for kc, vc in caches]
+        out_tok = [[] for _ in range(B)]
+        out_lp = [[] for _ in range(B)]
+        live = torch.arange(B)  # rows of the original batch still in the cache, in cache order
+        finished = [False] * B     # per cache row: EOS already sampled (it decodes on until compaction)
+        next_pos = positions[:, -1] + 1
+        for t in range(max_new):
+            scores = logits.float()
+            if temperature > 0:
+                scores = scores / temperature
+            lp_all = torch.log_softmax(scores, dim=-1) if logprobs else None
+            if t < min_new:
+                scores[:, eos] = float("-inf")
+            if temperature > 0:
+                if top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is at most 1 - top_p
+                    sorted_scores, order = torch.sort(scores, descending=False)
+                    drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+                    drop[:, -1] = False
+                    scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+                nxt = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+            else:
+                nxt = scores.argmax(-1)
+            toks = nxt.tolist()
+            lps = lp_all.gather(1, nxt[:, None]).squeeze(1).tolist() if lp_all is not None else None
+            for j, row in enumerate(live.tolist()):
+                if finished[j]:
+                    continue
+                out_tok[row].append(toks[j])
+                if lps is not None:
+                    out_lp[row].append(lps[j])
+                finished[j] = toks[j] == eos
+            n_done = sum(finished)
+            if t == max_new - 1 or n_done == len(finished):
+                break
+            col = width + t
+            if n_done and n_done >= COMPACT_FRACTION * len(finished):
+                keep = torch.tensor([j for j, f in enumerate(finished) if not f])
+                live, nxt, next_pos, valid = live[keep], nxt[keep], next_pos[keep], valid[keep]
+                caches = [(kc[keep], vc[keep]) for kc, vc in caches]
+                finished = [False] * len(keep)
+            valid[:, col] = True
+            step_mask = valid[:, None, None, : col + 1]
+            logits = self._forward(nxt[:, None], next_pos[:, None], caches, col, step_mask)
+            next_pos = next_pos + 1
+        return out_tok, out_lp
