@@ -220,23 +220,28 @@ class GRPOTrainer:
         mb = g.micro_batch_size
         temp = self.cfg.rollout.temperature
         n = len(samples)
-        with torch.no_grad():
-            old, ref = [], []
-            for i in range(0, n, mb):
-                part = _slice(packed, list(range(i, min(i + mb, n))))
-                lp, _ = token_logprobs(module, part.ids, part.attn, temperature=temp)
-                old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
-                if self.reference is not None:
-                    rp, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
-                    ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
-            logp_old = torch.cat(old)
-            logp_ref = torch.cat(ref) if ref else None
+        # With one optimizer step a round the policy that sampled is the one being updated: its
+        # log-probs are the training forward's own, detached (the ratio is exactly 1, its gradient
+        # that of log p), so the separate no-grad pass over the batch is skipped. With more steps
+        # the old log-probs must be taken before the first one changes the weights.
+        single_step = g.epochs * g.mini_batches == 1
+        logp_old = logp_ref = None
+        if not single_step:
+            with torch.no_grad():
+                old, ref = [], []
+                for i in range(0, n, mb):
+                    part = _slice(packed, list(range(i, min(i + mb, n))))
+                    lp, _ = token_logprobs(module, part.ids, part.attn, temperature=temp)
+                    old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
+                    if self.reference is not None:
+                        rp, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
+                        ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
+                logp_old = torch.cat(old)
+                logp_ref = torch.cat(ref) if ref else None
         mask = packed.mask
-        mismatch = ((logp_old - packed.engine_logp).abs() * mask).sum() / mask.sum().clamp(min=1)
-        tis = torch.exp(logp_old - packed.engine_logp)
-        tis = tis.clamp(max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.round)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio": 0.0}
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio": 0.0,
+                "engine_diff": 0.0, "tis": 0.0}
         steps, tokens = 0, 0.0
         grad_norms = []
         rank, world = ds.rank(), ds.world_size()
@@ -274,10 +279,21 @@ class GRPOTrainer:
                     lp, ent = token_logprobs(module, part.ids, part.attn, with_entropy=g.entropy_coef > 0,
                                              temperature=temp)
                     adv = part.adv.unsqueeze(1).expand_as(lp)
-                    pg, clipped = clipped_objective(lp, logp_old[sel_p, :w], adv, g.clip_low, g.clip_high)
-                    per_tok = pg * tis[sel_p, :w]
-                    if logp_ref is not None:
-                        kl = kl_estimate(lp, logp_ref[sel_p, :w], g.kl_estimator)
+                    old_p = lp.detach() if single_step else logp_old[sel_p, :w]
+                    # truncated importance sampling: trainer over engine probability of each sampled token
+                    tis = torch.exp(old_p - part.engine_logp)
+                    tis = tis.clamp(max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
+                    pg, clipped = clipped_objective(lp, old_p, adv, g.clip_low, g.clip_high)
+                    per_tok = pg * tis
+                    ref_p = None
+                    if self.reference is not None:
+                        if single_step:
+                            with torch.no_grad():
+                                ref_p, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
+                        else:
+                            ref_p = logp_ref[sel_p, :w]
+                    if ref_p is not None:
+                        kl = kl_estimate(lp, ref_p, g.kl_estimator)
                         per_tok = per_tok + g.kl_coef * kl
                         sums["kl"] += weight * float((kl.detach() * part.mask).sum())
                     if ent is not None:
@@ -291,7 +307,9 @@ class GRPOTrainer:
                     sums["loss"] += float(loss.detach())
                     sums["pg_loss"] += weight * float((pg.detach() * part.mask).sum())
                     sums["clip_frac"] += weight * float((clipped.float() * part.mask).sum())
-                    sums["ratio"] += weight * float((torch.exp(lp.detach() - logp_old[sel_p, :w]) * part.mask).sum())
+                    sums["ratio"] += weight * float((torch.exp(lp.detach() - old_p) * part.mask).sum())
+                    sums["engine_diff"] += weight * float(((old_p - part.engine_logp).abs() * part.mask).sum())
+                    sums["tis"] += weight * float((tis * part.mask).sum())
                     tokens += weight * float(part.mask.sum())
                 gn = self.ds.get_global_grad_norm()
                 grad_norms.append(float(gn) if gn is not None else float("nan"))
@@ -306,8 +324,7 @@ class GRPOTrainer:
             "update/clip_frac": sums["clip_frac"] / t, "update/ratio_mean": sums["ratio"] / t,
             "update/grad_norm": sum(grad_norms) / len(grad_norms), "update/optimizer_steps": steps,
             "update/lr": self.ds.get_lr()[0], "update/samples": n,
-            "update/tis_weight_mean": float((tis * mask).sum() / mask.sum().clamp(min=1)),
-            "update/engine_logprob_abs_diff": float(mismatch),
+            "update/tis_weight_mean": sums["tis"] / t, "update/engine_logprob_abs_diff": sums["engine_diff"] / t,
             "time/update_seconds": time.perf_counter() - t0,
         })
         self._pending = stats
