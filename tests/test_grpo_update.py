@@ -214,6 +214,36 @@ def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, ext
     assert checked > 1000
 
 
+@pytest.mark.parametrize("extra", [[], ["grpo.kl_coef=0.5", "grpo.entropy_coef=0.05"],
+                                   ["grpo.loss_agg=seq-mean-token-mean", "grpo.tis_cap=null"]],
+                         ids=["plain", "kl+entropy", "seq-mean"])
+def test_one_step_rounds_reuse_the_training_forward_with_the_same_loss_and_gradients(tiny_tokenizer, tmp_path,
+                                                                                      extra):
+    """With one optimizer step a round the old log-probs come from the training forward itself
+    (detached) instead of a separate no-grad pass: the loss, gradient norm, every stat and the
+    weights after the step match the two-pass computation within float rounding."""
+    cfg = make_cfg("grpo.mini_batches=1", "grpo.micro_batch_size=3", "grpo.lr=1e-3", "rollout.temperature=0.9",
+                   *extra)
+    results = []
+    for reuse in (False, True):
+        trainer = make_trainer(cfg, tiny_tokenizer, tmp_path / str(reuse))
+        trainer.reuse_training_logprobs = reuse
+        if trainer.reference is not None:
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in trainer.reference.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        stats = trainer.update(make_batch(1, 3, 5, len(tiny_tokenizer), seed=11))  # 15 sequences: 3 x 5 micro
+        results.append((stats, {n: p.detach().clone() for n, p in trainer.ds.module.named_parameters()}))
+    (two_pass, w_two), (reused, w_reused) = results
+    for key in ("update/loss", "update/pg_loss", "update/kl", "update/entropy", "update/grad_norm",
+                "update/ratio_mean", "update/tis_weight_mean", "update/engine_logprob_abs_diff"):
+        assert reused[key] == pytest.approx(two_pass[key], rel=1e-5, abs=1e-7), key
+    assert reused["update/ratio_mean"] == 1.0
+    for n in w_two:
+        assert torch.allclose(w_reused[n], w_two[n], rtol=1e-5, atol=1e-7), n
+
+
 # ---------------------------------------------------------------- it learns
 
 def digit_share(response: str, example: dict) -> float:

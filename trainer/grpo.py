@@ -160,6 +160,9 @@ class GRPOTrainer:
         self.seconds_before_resume = 0.0
         self.resumed_from: int | None = None
         self._pending: dict[str, float] = {}  # the last update's stats, recorded by sync()
+        # one optimizer step a round: old log-probs from the training forward (False: a separate pass,
+        # the pre-0.2 behaviour, kept for the parity test)
+        self.reuse_training_logprobs = True
         state = checkpoint.load_latest(self.ds, self.ckpt_dir)
         if state is not None:
             self.round = state["step"]
@@ -224,7 +227,7 @@ class GRPOTrainer:
         # log-probs are the training forward's own, detached (the ratio is exactly 1, its gradient
         # that of log p), so the separate no-grad pass over the batch is skipped. With more steps
         # the old log-probs must be taken before the first one changes the weights.
-        single_step = g.epochs * g.mini_batches == 1
+        single_step = g.epochs * g.mini_batches == 1 and self.reuse_training_logprobs
         logp_old = logp_ref = None
         if not single_step:
             with torch.no_grad():
