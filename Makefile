@@ -37,8 +37,11 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# TRL (the bench extra, pinned in constraints.txt) is installed into the same environment, beside
+# posttrain's own pins: both tools then run on the same torch and transformers.
 bench: setup
-	$(BIN)/python -m tests.bench
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[bench]"
+	$(BIN)/python -m tests.bench $(BENCH_ARGS)
 
 # Prefect server + process work pool + worker + MLflow UI on 127.0.0.1, every deployment in prefect.yaml;
 # its Prefect state under .serve/prefect (or $PREFECT_HOME). SERVE_ARGS='--prefect-port 4300 --pool-limit 1'.

@@ -1,67 +1,260 @@
-"""`make bench`: throughput and per-round timing of the tiny preset on this machine.
+"""`make bench`: posttrain against TRL on the same GRPO work, SFT against a plain PyTorch loop,
+and what the pipeline adds around a GRPO round. Figures, not assertions: quote them.
 
-Prints a table and writes bench-results/bench.json. Figures, not assertions: quote them.
+1. The machine: fp32 GFLOP/s of a large matmul (the ceiling every figure below is measured against).
+2. GRPO, side by side (`tests/bench_ref.py`): TRL's GRPOTrainer and posttrain's on the reference
+   workload (issue 14), with KL on (beta 0.04), and on a larger shape. Each session is its own
+   process (its peak RSS is its own) and the tools alternate, A B A B, so drift hits both.
+   TRL runs at its fastest: `gradient_checkpointing=False` (its default is on, which recomputes
+   the forward; posttrain does not checkpoint activations).
+3. SFT: `train_sft` against a plain PyTorch loop (AdamW, the same model, batches and schedule).
+4. The pipeline: a real `posttrain speedrun` (Prefect, MLflow on SQLite) on a small config: the
+   seconds of each GRPO round spent outside the trainer, and the wall time of a fully cached re-run.
+
+Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4 and the
+larger shape.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from trainer.config import load_config
-from trainer.data import synthetic
-from trainer.model import build_model, count_params
-from trainer.tokenizer import train_tokenizer
+from tests.bench_ref import SHAPES, Shape
+
+PROMPT_TOKENS = 19
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    import torch
+
+    torch.set_num_threads(2)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def step_gflop(shape: Shape, vocab: int = 84) -> dict[str, float]:
+    """FLOPs of one step of the workload: generation (prefill + decode, every sample its own
+    prompt) and training (forward + backward = 3 forwards, plus the reference forward with KL)."""
+    h, L, hd = shape.hidden, shape.layers, shape.hidden // shape.heads
+    kv = shape.kv_heads * hd
+    matmul_params = L * (2 * h * h + 2 * h * kv + 3 * h * shape.intermediate) + h * vocab
+
+    def forward(tokens: int, ctx: float) -> float:
+        return tokens * (2 * matmul_params + 4 * L * ctx * h)
+
+    n, P, T = shape.batch, PROMPT_TOKENS, shape.new_tokens
+    gen = forward(n * P, P / 2) + forward(n * T, P + T / 2)
+    train = forward(n * (P + T), (P + T) / 2) * (3 + (1 if shape.kl else 0))
+    return {"generation": gen / 1e9, "training": train / 1e9, "total": (gen + train) / 1e9}
+
+
+def session(tool: str, shape: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-m", "tests.bench_ref", "--tool", tool, "--shape", shape],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"bench session {tool}/{shape} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(line[6:])
+
+
+def grpo_side_by_side(shapes: list[str], reps: dict[str, int], gflops: float) -> dict:
+    results: dict[str, dict] = {}
+    for shape in shapes:
+        runs: dict[str, list[dict]] = {"trl": [], "posttrain": []}
+        for _ in range(reps[shape]):
+            for tool in ("trl", "posttrain"):  # A B A B
+                r = session(tool, shape)
+                print(f"  {shape:<7} {tool:<9} step {r['step']:.3f}s  generation {r['generate']:.3f}s "
+                      f"({r['gen_tokens_per_second']:,.0f} tok/s)  update {r['update']:.3f}s  "
+                      f"peak RSS {r['peak_rss_mib']:,.0f} MiB", flush=True)
+                runs[tool].append(r)
+        flop = step_gflop(SHAPES[shape])
+        floor = flop["total"] / gflops
+        agg = {}
+        for tool, rs in runs.items():
+            agg[tool] = {k: statistics.median(r[k] for r in rs)
+                         for k in ("step", "generate", "update", "reward", "gen_tokens_per_second", "peak_rss_mib")}
+            agg[tool]["floor_fraction"] = floor / agg[tool]["step"]
+            agg[tool]["sessions"] = [{k: v for k, v in r.items() if k != "raw"} for r in rs]
+        p, t = agg["posttrain"], agg["trl"]
+        agg["ratios"] = {"step": p["step"] / t["step"], "generation_tokens_per_second": p["gen_tokens_per_second"]
+                         / t["gen_tokens_per_second"], "update": p["update"] / t["update"],
+                         "peak_rss": p["peak_rss_mib"] / t["peak_rss_mib"]}
+        agg["gflop_per_step"], agg["floor_seconds"] = flop, floor
+        results[shape] = agg
+    return results
+
+
+# ---------------------------------------------------------------- SFT against a plain loop
+
+def sft_against_plain_loop(steps: int = 60, reps: int = 2) -> dict:
+    """The tiny preset's model and batches: train_sft's tokens/s against a plain PyTorch loop's."""
+    import logging
+
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from trainer.config import load_config
+    from trainer.data import synthetic
+    from trainer.model import build_model
+    from trainer.sft import collate, encode_dataset, epoch_order, masked_lm_loss, target_tokens, train_sft
+    from trainer.tokenizer import train_tokenizer
+
+    logging.getLogger().setLevel(logging.ERROR)
+    torch.set_num_threads(2)
+    cfg = load_config("tiny", [f"sft.max_steps={steps}", "sft.checkpoint_every=100000", "sft.log_every=100000"])
+    s = cfg.sft
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 4000, "n_test": 10}), 0)
+    out: dict[str, list[float]] = {"posttrain": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = train_tokenizer((m["content"] for ex in data.train for m in ex["messages"]), cfg.tokenizer.vocab_size,
+                              Path(tmp) / "tok")
+        encoded, _ = encode_dataset(tok, data.train, s.max_length)
+        for rep in range(reps):
+            model = build_model(cfg.model, tok, 0)
+            _, res = train_sft(cfg, model, tok, data.train, Path(tmp) / f"sft{rep}")
+            out["posttrain"].append(res.tokens_per_second)
+
+            model = build_model(cfg.model, tok, 0).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+            sched = get_cosine_schedule_with_warmup(opt, s.warmup_steps, steps)
+            order, pos, tokens = epoch_order(len(encoded), cfg.seed, 0), 0, 0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch = collate([encoded[i] for i in order[pos:pos + s.micro_batch_size]], tok.pad_token_id)
+                n = sum(target_tokens(encoded[i]) for i in order[pos:pos + s.micro_batch_size])
+                pos += s.micro_batch_size
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"], n)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                loss.item()
+                tokens += int(batch["attention_mask"].sum())
+            out["plain"].append(tokens / (time.perf_counter() - t0))
+            print(f"  SFT rep {rep + 1}: posttrain {out['posttrain'][-1]:,.0f} tok/s, plain loop "
+                  f"{out['plain'][-1]:,.0f} tok/s", flush=True)
+    p, q = statistics.median(out["posttrain"]), statistics.median(out["plain"])
+    return {"steps": steps, "posttrain_tokens_per_second": p, "plain_loop_tokens_per_second": q,
+            "ratio": p / q, "runs": out}
+
+
+# ---------------------------------------------------------------- the pipeline around a round
+
+PIPELINE_SETTINGS = [
+    "data.synthetic.n_train=2000", "data.synthetic.n_test=100", "sft.max_steps=30", "sft.checkpoint_every=1000",
+    "grpo.rounds=12", "grpo.eval_every=1000", "grpo.checkpoint_every=1000", "grpo.sample_table_every=1000",
+    "grpo.eval_examples=50", "grpo.pass_k=1", "eval.max_examples=100", "eval.seen_examples=0",
+    "control.enabled=false",
+]
+
+
+def pipeline_overhead() -> dict:
+    """A real speedrun on a small config, twice: per GRPO round, the flow's wall time between two
+    rounds' ends less the trainer's own seconds (generate + reward + update + sync); then the
+    whole command's wall time when every stage is a cache hit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "PREFECT_HOME": f"{tmp}/prefect",
+               "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "flows.cli", "speedrun", "--preset", "tiny",
+               "--set", f"artifact_root={tmp}/artifacts"]
+        for s in PIPELINE_SETTINGS:
+            cmd += ["--set", s]
+        walls = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            walls.append(time.perf_counter() - t0)
+            if out.returncode != 0:
+                raise RuntimeError(f"pipeline run failed (rc {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        history = next(Path(tmp, "artifacts").rglob("history.jsonl"))
+        rounds = [json.loads(x) for x in history.read_text().splitlines()]
+    gaps = []
+    for prev, cur in zip(rounds, rounds[1:]):
+        if "eval/accuracy" in prev:  # the eval after that round falls in this gap
+            continue
+        gaps.append((cur["time/grpo_elapsed"] - prev["time/grpo_elapsed"], cur["time/round_seconds"]))
+    outside = statistics.median(w - r for w, r in gaps)
+    inside = statistics.median(r for _, r in gaps)
+    return {"rounds_measured": len(gaps), "round_seconds_in_trainer": inside, "round_seconds_outside_trainer": outside,
+            "outside_fraction": outside / (inside + outside), "first_run_seconds": walls[0],
+            "cached_rerun_seconds": walls[1]}
 
 
 def main() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.ERROR)
-    from trainer.chat import encode_prompt
-    from trainer.grpo import GRPOTrainer
-    from trainer.rollout import HFEngine, SamplingParams
-    from trainer.sft import train_sft
-
-    out: dict[str, float] = {}
-    cfg = load_config("tiny", ["sft.max_steps=40", "sft.warmup_steps=5", "grpo.rounds=8", "grpo.eval_every=1000",
-                               "grpo.checkpoint_every=1000"])
-    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 4000, "n_test": 200}), 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        tok = train_tokenizer((m["content"] for ex in data.train for m in ex["messages"]), 384, Path(tmp) / "tok")
-        out["tokenizer_seconds"] = time.perf_counter() - t0
-        model = build_model(cfg.model, tok, 0)
-        out["params"] = count_params(model)
-        engine, res = train_sft(cfg, model, tok, data.train, Path(tmp) / "sft")
-        out["sft_tokens_per_second"] = res.tokens_per_second
-        out["sft_seconds_per_step"] = res.train_seconds / res.steps
-
-        prompts = [encode_prompt(tok, ex["messages"][:-1]) for ex in data.test[:64] for _ in range(8)]
-        hf = HFEngine(engine.module, tok, 512)
-        t0 = time.perf_counter()
-        gens = hf.generate(prompts, SamplingParams(48, 1.0, 1.0, seed=0))
-        secs = time.perf_counter() - t0
-        out["rollout_tokens_per_second"] = sum(len(g.token_ids) for g in gens) / secs
-        out["rollout_seconds_512_samples"] = secs
-
-        trainer = GRPOTrainer(cfg, engine.module, tok, data.train, data.test, Path(tmp) / "grpo")
-        rounds = []
-        while not trainer.done():
-            b = trainer.score(trainer.rollout())
-            trainer.update(b)
-            trainer.sync()
-            rounds.append(trainer.history[-1])
-        for k in ("generate", "reward", "update", "sync", "round"):
-            out[f"grpo_{k}_seconds_median"] = statistics.median(r.get(f"time/{k}_seconds", 0.0) for r in rounds)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
+    a = ap.parse_args()
+    out: dict = {"machine": {"cpu": _cpu(), "threads": 2}}
+    gflops = matmul_gflops()
+    out["machine"]["matmul_gflops"] = gflops
+    print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
+    shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large"])
+    print("GRPO sessions (TRL and posttrain alternating):", flush=True)
+    out["grpo"] = grpo_side_by_side(shapes, {"ref": 2, "ref-kl": 1, "large": 1}, gflops)
+    print("SFT against a plain PyTorch loop:", flush=True)
+    out["sft"] = sft_against_plain_loop()
+    if not a.quick:
+        print("a real pipeline run (Prefect + MLflow), then the same command fully cached:", flush=True)
+        out["pipeline"] = pipeline_overhead()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
-    width = max(len(k) for k in out)
-    for k, v in out.items():
-        print(f"{k:<{width}}  {v:,.3f}" if isinstance(v, float) else f"{k:<{width}}  {v:,}")
+    report(out)
+
+
+def _cpu() -> str:
+    try:
+        return next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def report(out: dict) -> None:
+    print()
+    print(f"machine: {out['machine']['cpu']}, 2 threads, fp32 matmul {out['machine']['matmul_gflops']:.1f} GFLOP/s")
+    print(f"{'GRPO step (median)':<22}{'':>2}{'TRL':>10}{'posttrain':>11}{'ratio':>8}")
+    for shape, r in out["grpo"].items():
+        t, p, q = r["trl"], r["posttrain"], r["ratios"]
+        s = SHAPES[shape]
+        print(f"[{shape}] h{s.hidden} x{s.layers}, {s.batch} x {s.new_tokens} tokens, KL {s.kl}: "
+              f"{r['gflop_per_step']['total']:.1f} GFLOP/step, floor {r['floor_seconds']:.3f}s")
+        rows = [("step s", t["step"], p["step"], q["step"]),
+                ("generation s", t["generate"], p["generate"], p["generate"] / t["generate"]),
+                ("generation tok/s", t["gen_tokens_per_second"], p["gen_tokens_per_second"],
+                 q["generation_tokens_per_second"]),
+                ("update s", t["update"], p["update"], q["update"]),
+                ("peak RSS MiB", t["peak_rss_mib"], p["peak_rss_mib"], q["peak_rss"]),
+                ("floor / step", t["floor_fraction"], p["floor_fraction"], p["floor_fraction"] / t["floor_fraction"])]
+        for name, a, b, c in rows:
+            print(f"  {name:<20}{a:>12,.3f}{b:>11,.3f}{c:>8.2f}")
+    s = out["sft"]
+    print(f"SFT tokens/s: posttrain {s['posttrain_tokens_per_second']:,.0f}, plain PyTorch loop "
+          f"{s['plain_loop_tokens_per_second']:,.0f} (ratio {s['ratio']:.2f}, {s['steps']} steps)")
+    if "pipeline" in out:
+        p = out["pipeline"]
+        print(f"pipeline: a GRPO round {p['round_seconds_in_trainer']:.3f}s in the trainer + "
+              f"{p['round_seconds_outside_trainer']:.3f}s outside it (Prefect tasks, MLflow) = "
+              f"{100 * p['outside_fraction']:.1f}% of the round; a fully cached re-run of the command "
+              f"{p['cached_rerun_seconds']:.1f}s (first run {p['first_run_seconds']:.1f}s)")
+    print("wrote bench-results/bench.json")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def run_trl(shape: Shape, work: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     tok = tokenizer(work / "tok")
-    policy = model(shape, tok)
+    model(shape, tok).save_pretrained(str(work / "init"))  # TRL loads its reference (KL on) from a path
     n_steps = shape.steps + shape.warmup
     rows = problems(shape.prompts * n_steps)
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
@@ -134,15 +134,17 @@ def run_trl(shape: Shape, work: Path) -> dict:
         generation_kwargs={"min_new_tokens": shape.new_tokens}, temperature=1.0, learning_rate=1e-5,
         lr_scheduler_type="constant", warmup_steps=0, epsilon=0.2, max_grad_norm=1.0, beta=shape.kl,
         num_iterations=1, seed=42, dataloader_num_workers=0, shuffle_dataset=False,
+        gradient_checkpointing=False, model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},  # TRL defaults to on (a recomputed forward); off is its fastest here
     )
-    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    trainer = GRPOTrainer(model=str(work / "init"), reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok)
     inner = trainer._generate_single_turn
 
     def timed_generate(*a, **k):
         t0 = time.perf_counter()
         out = inner(*a, **k)
         timing["generate"].append(time.perf_counter() - t0)
-        timing["tokens"].append(sum(len(c) for c in out[1]))  # (prompt_ids, completion_ids, ...)
+        timing["tokens"].append(sum(len(c) for c in out[0]))  # (completion_ids, logprobs)
         return out
 
     trainer._generate_single_turn = timed_generate
