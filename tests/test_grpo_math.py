@@ -84,3 +84,40 @@ def test_loss_aggregation_modes():
     assert torch.allclose(whole, parts)
     with pytest.raises(ValueError):
         aggregate(per_tok, mask, "sum")
+
+
+# ---------------------------------------------------------------- one prompt pass per group
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind, tmp_path):
+    """`shared_prefix_logprobs` runs each distinct prompt once and the responses on its copied KV
+    cache: log-probs, entropies and the gradients of both match one full pass per sequence within
+    float rounding, on shuffled groups of uneven size with uneven prompt and response lengths."""
+    import random
+
+    from tests.bench_ref import tokenizer
+    from tests.test_fastgen import _model, _prompts
+    from trainer.grpo import pack, shared_prefix_logprobs, token_logprobs
+    from trainer.rollout import Sample
+
+    tok = tokenizer(tmp_path / "tok")
+    model = _model(kind, tok).train()
+    rng = random.Random(0)
+    samples = []
+    for g, prompt in enumerate(_prompts(tok, 6)):
+        for _ in range(rng.randint(1, 5)):
+            r = rng.randint(1, 12)
+            samples.append(Sample(g, prompt, [rng.randrange(7, 80) for _ in range(r)], [0.0] * r, "", "length"))
+    rng.shuffle(samples)
+    b = pack(samples, [0.0] * len(samples), tok.pad_token_id)
+    full, full_ent = token_logprobs(model, b.ids, b.attn, with_entropy=True, temperature=0.7)
+    shared, shared_ent = shared_prefix_logprobs(model, b.ids, b.attn, b.prompt_len, with_entropy=True,
+                                                temperature=0.7)
+    assert ((full - shared).abs() * b.mask).max() < 2e-5
+    assert ((full_ent - shared_ent).abs() * b.mask).max() < 2e-5
+    assert (shared * (1 - b.mask)).abs().max() == 0  # nothing outside the responses
+    params = list(model.parameters())
+    g_full = torch.autograd.grad(((full + 0.1 * full_ent) * b.mask).sum(), params)
+    g_shared = torch.autograd.grad(((shared + 0.1 * shared_ent) * b.mask).sum(), params)
+    for a, c in zip(g_full, g_shared):
+        assert torch.allclose(a, c, rtol=1e-4, atol=1e-5 * a.abs().max())

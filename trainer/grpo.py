@@ -97,6 +97,65 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
     return logp, entropy
 
 
+def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
+                           with_entropy: bool = False, temperature: float = 1.0,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` at the response positions (0 elsewhere), each distinct prompt run once.
+
+    The samples of a group share their prompt, and a prompt token never attends to what follows,
+    so its hidden states are the same in every sample: the prompts go through the model once
+    (left-padded), their KV cache is copied out to the samples, and the responses run on it. The
+    gradient reaches the prompt pass through the cache, summed over the group's samples: the same
+    loss and gradients as one pass per sample, without the repeated prompt tokens (a third of a
+    GRPO batch's tokens on the reference workload)."""
+    B, W = ids.shape
+    plen = prompt_len.tolist()
+    rlen = (attn.sum(1) - prompt_len).tolist()
+    first: dict[tuple[int, ...], int] = {}
+    inverse = torch.tensor([first.setdefault(tuple(ids[i, : plen[i]].tolist()), len(first)) for i in range(B)])
+    P, R = max(plen), max(max(rlen), 1)
+    pad = 0  # any id: padded positions are masked out
+    pids = torch.full((len(first), P), pad, dtype=ids.dtype)
+    pmask = torch.zeros((len(first), P), dtype=attn.dtype)
+    for u, prompt in enumerate(first):
+        pids[u, P - len(prompt):] = torch.tensor(prompt, dtype=ids.dtype)
+        pmask[u, P - len(prompt):] = 1
+    out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
+                 use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    rids = torch.full((B, R), pad, dtype=ids.dtype)
+    rmask = torch.zeros((B, R), dtype=attn.dtype)
+    for i in range(B):
+        rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
+        rmask[i, : rlen[i]] = 1
+    positions = prompt_len[:, None] + torch.arange(R)[None]
+    resp = module(input_ids=rids, attention_mask=torch.cat([pmask[inverse], rmask], 1), position_ids=positions,
+                  past_key_values=cache, use_cache=True).logits
+    # response token j is predicted at the prompt's last position (j = 0) or the response's j - 1
+    logits = torch.cat([out.logits[:, -1:][inverse], resp[:, :-1]], 1).float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
+    # back to the packed layout: response token j of sample i sits at position plen[i] - 1 + j
+    index = prompt_len[:, None] - 1 + torch.arange(R)[None]
+
+    def unpack(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((B, W - 1 + R), dtype=x.dtype).scatter(1, index, x)[:, : W - 1]
+
+    return unpack(lp), (unpack(entropy) if entropy is not None else None)
+
+
+def response_logprobs(module: torch.nn.Module, part: "PackedBatch", temperature: float,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of a packed batch's response tokens: prompts that several samples
+    share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`)."""
+    plen = part.prompt_len.tolist()
+    if len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen):
+        return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature)
+    return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
+
+
 @dataclass
 class PackedBatch:
     ids: torch.Tensor        # [B, T] prompt + response, right padded
@@ -104,6 +163,7 @@ class PackedBatch:
     mask: torch.Tensor       # [B, T-1] 1 where the target token is a response token
     adv: torch.Tensor        # [B] advantage per sequence
     engine_logp: torch.Tensor  # [B, T-1] aligned with mask
+    prompt_len: torch.Tensor   # [B]
 
 
 def pack(samples: list[Sample], advantages: list[float], pad_id: int) -> PackedBatch:
@@ -119,14 +179,15 @@ def pack(samples: list[Sample], advantages: list[float], pad_id: int) -> PackedB
         attn[i, : p + r] = 1
         mask[i, p - 1 : p - 1 + r] = 1
         elp[i, p - 1 : p - 1 + r] = torch.tensor(s.engine_logprobs[:r]) if r else elp[i, :0]
-    return PackedBatch(ids, attn, mask, torch.tensor(advantages, dtype=torch.float32), elp)
+    return PackedBatch(ids, attn, mask, torch.tensor(advantages, dtype=torch.float32), elp,
+                       torch.tensor([len(s.prompt_ids) for s in samples]))
 
 
 def _slice(b: PackedBatch, idx: list[int]) -> PackedBatch:
     sel = torch.tensor(idx)
     width = int(b.attn[sel].sum(dim=1).max())  # trim shared padding
     return PackedBatch(b.ids[sel, :width], b.attn[sel, :width], b.mask[sel, : width - 1], b.adv[sel],
-                       b.engine_logp[sel, : width - 1])
+                       b.engine_logp[sel, : width - 1], b.prompt_len[sel])
 
 
 # ---------------------------------------------------------------- the trainer
@@ -219,6 +280,7 @@ class GRPOTrainer:
             self._pending = stats  # sync() records the round, this one's own stats
             return stats
         packed = pack(samples, advs, self.tok.pad_token_id)
+        group_of = [s.example_index for s in samples]
         module = self.ds.module
         mb = g.micro_batch_size
         temp = self.cfg.rollout.temperature
@@ -234,10 +296,10 @@ class GRPOTrainer:
                 old, ref = [], []
                 for i in range(0, n, mb):
                     part = _slice(packed, list(range(i, min(i + mb, n))))
-                    lp, _ = token_logprobs(module, part.ids, part.attn, temperature=temp)
+                    lp, _ = response_logprobs(module, part, temp)
                     old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
                     if self.reference is not None:
-                        rp, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
+                        rp, _ = response_logprobs(self.reference, part, temp)
                         ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
                 logp_old = torch.cat(old)
                 logp_ref = torch.cat(ref) if ref else None
@@ -252,7 +314,8 @@ class GRPOTrainer:
             order = torch.randperm(n, generator=gen).tolist()
             size = math.ceil(n / g.mini_batches)
             for m in range(g.mini_batches):
-                idx = order[m * size : (m + 1) * size]
+                # a group's samples side by side, so that micro-batches share their prompt passes
+                idx = sorted(order[m * size : (m + 1) * size], key=lambda i: (group_of[i], i))
                 if not idx:
                     continue
                 # Every rank holds the whole batch and takes a contiguous share of each mini-batch; all
@@ -279,8 +342,7 @@ class GRPOTrainer:
                     part = _slice(packed, part_idx)
                     sel_p = torch.tensor(part_idx)
                     w = part.mask.shape[1]
-                    lp, ent = token_logprobs(module, part.ids, part.attn, with_entropy=g.entropy_coef > 0,
-                                             temperature=temp)
+                    lp, ent = response_logprobs(module, part, temp, with_entropy=g.entropy_coef > 0)
                     adv = part.adv.unsqueeze(1).expand_as(lp)
                     old_p = lp.detach() if single_step else logp_old[sel_p, :w]
                     # truncated importance sampling: trainer over engine probability of each sampled token
@@ -292,7 +354,7 @@ class GRPOTrainer:
                     if self.reference is not None:
                         if single_step:
                             with torch.no_grad():
-                                ref_p, _ = token_logprobs(self.reference, part.ids, part.attn, temperature=temp)
+                                ref_p, _ = response_logprobs(self.reference, part, temp)
                         else:
                             ref_p = logp_ref[sel_p, :w]
                     if ref_p is not None:
