@@ -124,27 +124,32 @@ class FastDecoder:
     # -- the forward pass
     def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
                vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """h [B, S, H] (S new positions written at cache[start:start+S]); mask [B, 1, S, start+S] bool."""
+        """h [B, S, H] (S new positions written at cache[start:start+S]); mask: prefill [B, 1, S, start+S]
+        bool, decoding (S = 1) [B, 1, 1, start+1] additive."""
         B, S, _ = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         x = _rms(h, *L.ln1)
         qkv = _linear(x, L.wqkv, L.bqkv)
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
+        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk, v = qk.view(B, S, nh + nkv, hd), v.view(B, S, nkv, hd)
         if L.qn is not None:
-            q, k = _rms(q, *L.qn), _rms(k, *L.kn)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
+        qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
+        q, k = qk[:, :, :nh], qk[:, :, nh:]
         end = start + S
         kcache[:, :, start:end] = k.transpose(1, 2)
         vcache[:, :, start:end] = v.transpose(1, 2)
         g = nh // nkv
         # queries grouped under their KV head: [B, kv, g*S, hd] attend [B, kv, end, hd]
         qg = q.view(B, S, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * S, hd)
-        m = mask if g == 1 else mask.expand(B, 1, S, end).repeat(1, 1, g, 1)
         if S == 1:  # one query row per head: plain matmuls beat the SDPA kernel's set-up on CPU
-            scores = (qg @ kcache[:, :, :end].transpose(-1, -2)) * self.scaling
-            o = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1) @ vcache[:, :, :end]
+            scores = torch.baddbmm(mask.view(B * nkv, g, end) if mask.shape[1] == nkv else
+                                   mask.expand(B, nkv, g, end).reshape(B * nkv, g, end),
+                                   qg.reshape(B * nkv, g, hd), kcache[:, :, :end].reshape(B * nkv, end, hd).transpose(1, 2),
+                                   alpha=self.scaling)
+            o = (torch.softmax(scores, dim=-1) @ vcache[:, :, :end].reshape(B * nkv, end, hd)).view(B, nkv, g, hd)
         else:
+            m = mask if g == 1 else mask.expand(B, 1, S, end).repeat(1, 1, g, 1)
             o = F.scaled_dot_product_attention(qg, kcache[:, :, :end], vcache[:, :, :end], attn_mask=m,
                                                scale=self.scaling)
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
@@ -237,7 +242,9 @@ class FastDecoder:
                 caches = [(kc[keep], vc[keep]) for kc, vc in caches]
                 finished = [False] * len(keep)
             valid[:, col] = True
-            step_mask = valid[:, None, None, : col + 1]
+            # additive, shared by every layer: 0 where a key is visible, -inf where it is not
+            step_mask = torch.zeros((len(live), 1, 1, col + 1), dtype=dtype).masked_fill_(~valid[:, None, None, : col + 1],
+                                                                              float("-inf"))
             logits = self._forward(nxt[:, None], next_pos[:, None], caches, col, step_mask)
             next_pos = next_pos + 1
         return out_tok, out_lp
