@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from tests.bench_ref import problems, tokenizer
 from trainer.chat import encode_prompt
 from trainer.fastgen import FastDecoder, unsupported
-from trainer.generate import decoder_for, generate
+from trainer.generate import generate
 from trainer.grpo import pack, token_logprobs
 from trainer.rollout import Sample
 
@@ -130,7 +130,6 @@ def test_an_optimizer_step_reaches_the_next_generation(char_tok):
     """The packed weights follow in-place updates (the trainer's AdamW) and whole-tensor swaps (a resume)."""
     model = _model("llama", char_tok)
     prompts = _prompts(char_tok, 12)
-    decoder_for(model)
     generate(model, char_tok, prompts, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
     ids = torch.tensor([prompts[0]])

@@ -7,7 +7,6 @@ their log-probabilities under the sampling distribution, and why each sequence s
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +15,19 @@ from transformers import PreTrainedTokenizerBase
 from trainer.fastgen import FastDecoder, unsupported
 
 log = logging.getLogger(__name__)
-_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, FastDecoder | None]" = weakref.WeakKeyDictionary()
+_WARNED: set[str] = set()
 
 
 def decoder_for(model: torch.nn.Module) -> FastDecoder | None:
-    """The model's fast decoder (kept with it, so its packed weights are reused), or None with the reason logged."""
-    if model not in _DECODERS:
-        reason = unsupported(model)
-        if reason is not None:
-            log.info("generation uses HF generate: the fast decoder does not cover this model (%s)", reason)
-        _DECODERS[model] = FastDecoder(model) if reason is None else None
-    return _DECODERS[model]
+    """A fast decoder for the model (cheap to make: the weights are packed at each call), or None
+    with the reason logged once."""
+    reason = unsupported(model)
+    if reason is None:
+        return FastDecoder(model)
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        log.info("generation uses HF generate: the fast decoder does not cover this model (%s)", reason)
+    return None
 
 
 @dataclass
