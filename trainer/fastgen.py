@@ -50,6 +50,31 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def left_pad(seqs: list[list[int]] | list[tuple[int, ...]], pad: int, room: int = 0,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-aligned in a [n, width] tensor, and their [n, width + room] 0/1 mask."""
+    width = max(len(q) for q in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width + room), dtype=torch.long)
+    for r, q in enumerate(seqs):
+        ids[r, width - len(q):] = torch.tensor(q, dtype=torch.long)
+        mask[r, width - len(q):width] = 1
+    return ids, mask
+
+
+def distinct(seqs) -> tuple[list[int], torch.Tensor]:
+    """The index of each distinct sequence's first occurrence, and each sequence's distinct number."""
+    number: dict[tuple[int, ...], int] = {}
+    rows, inverse = [], []
+    for i, q in enumerate(seqs):
+        key = tuple(q)
+        if key not in number:
+            number[key] = len(rows)
+            rows.append(i)
+        inverse.append(number[key])
+    return rows, torch.tensor(inverse)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The models' RMSNorm, in their order of operations (float32 inside, weight after the cast back)."""
     dtype = x.dtype
@@ -80,7 +105,6 @@ class FastDecoder:
             raise ValueError(f"fast decoding does not support this model: {reason}")
         self.model = model
         cfg = model.config
-        self.eps = cfg.rms_norm_eps
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -171,7 +195,7 @@ class FastDecoder:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
                top_p: float = 1.0, min_new: int = 0, logprobs: bool = True,
-               generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]]]:
+               ) -> tuple[list[list[int]], list[list[float]]]:
         """New tokens of each prompt (ending at EOS, which is kept, or at max_new) and their log-probs
         under softmax(logits / T) (greedy: T = 1)."""
         self._pack()
@@ -179,18 +203,12 @@ class FastDecoder:
         width = max(len(p) for p in prompts)
         if width + max_new > self.max_positions:
             max_new = max(0, self.max_positions - width)  # as the model itself could not go further
-        ids = torch.full((B, width), pad, dtype=torch.long)
-        valid = torch.zeros((B, width + max_new), dtype=torch.bool)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[r, width - len(p):width] = True
+        ids, valid = left_pad(prompts, pad, room=max_new)
+        valid = valid.bool()
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         # Samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs once and
         # its cache rows are copied out to the samples.
-        first: dict[tuple[int, ...], int] = {}
-        inverse = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts])
-        uniq = torch.tensor(list(first.values())) if len(first) == B else None
-        rows = torch.tensor([prompts.index(list(p)) for p in first]) if uniq is None else torch.arange(B)
+        rows, inverse = distinct(prompts)
         U = len(rows)
         dtype = self.embed.dtype
         caches = [(torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype),
@@ -220,7 +238,7 @@ class FastDecoder:
                     drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
                     drop[:, -1] = False
                     scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-                nxt = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)
+                nxt = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
             else:
                 nxt = scores.argmax(-1)
             toks = nxt.tolist()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.fastgen import FastDecoder, unsupported
+from trainer.fastgen import FastDecoder, left_pad, unsupported
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -88,12 +88,8 @@ def generate(
             if progress is not None:
                 progress.update(len(idx))
             continue
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for r, p in enumerate(batch):
-            ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
+        ids, attn = left_pad(batch, pad)
+        width = ids.shape[1]
         kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad,
                       eos_token_id=eos, return_dict_in_generate=True, output_logits=logprobs,
                       min_new_tokens=min_new_tokens or None)

@@ -27,6 +27,7 @@ from trainer.chat import encode_prompt
 from trainer.data import prompt_messages
 from trainer.config import RunConfig
 from trainer.evaluate import evaluate
+from trainer.fastgen import distinct, left_pad
 from trainer.rollout import HFEngine, RolloutBatch, RolloutEngine, RolloutManager, Sample, SamplingParams
 from trainer.rewards import RewardMix
 from trainer.tracking import MetricLogger, NullLogger
@@ -111,15 +112,12 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     B, W = ids.shape
     plen = prompt_len.tolist()
     rlen = (attn.sum(1) - prompt_len).tolist()
-    first: dict[tuple[int, ...], int] = {}
-    inverse = torch.tensor([first.setdefault(tuple(ids[i, : plen[i]].tolist()), len(first)) for i in range(B)])
-    P, R = max(plen), max(max(rlen), 1)
+    prompts = [ids[i, : plen[i]].tolist() for i in range(B)]
+    rows, inverse = distinct(prompts)
+    R = max(max(rlen), 1)
     pad = 0  # any id: padded positions are masked out
-    pids = torch.full((len(first), P), pad, dtype=ids.dtype)
-    pmask = torch.zeros((len(first), P), dtype=attn.dtype)
-    for u, prompt in enumerate(first):
-        pids[u, P - len(prompt):] = torch.tensor(prompt, dtype=ids.dtype)
-        pmask[u, P - len(prompt):] = 1
+    pids, pmask = left_pad([prompts[r] for r in rows], pad)
+    pmask = pmask.to(attn.dtype)
     out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
                  use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
