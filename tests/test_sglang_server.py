@@ -121,6 +121,38 @@ def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tin
     assert [g.text for g in sg] == [tiny_tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in sg]
 
 
+def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, base_model, tiny_tokenizer, tmp_path):
+    """`min_new_tokens` (rollout.min_response_tokens) holds EOS back in SGLang's own sampler as in
+    the in-process engine. The servers get a copy of the model whose EOS row is its most frequent
+    greedy token's (x1.01), so greedy answers stop early unless EOS is held back; the base weights
+    are given back afterwards."""
+    import copy
+
+    from trainer.rollout import HFEngine, SamplingParams
+
+    base_path, base = base_model
+    model = copy.deepcopy(base)
+    prompts = prompts_for(tiny_tokenizer, 6)
+    eos = tiny_tokenizer.eos_token_id
+    made = sum((g.token_ids for g in greedy(HFEngine(model, tiny_tokenizer), prompts, 16)), [])
+    with torch.no_grad():
+        model.lm_head.weight[eos] = model.lm_head.weight[max(set(made), key=made.count)] * 1.01
+    model.save_pretrained(str(tmp_path / "eos"))
+    tiny_tokenizer.save_pretrained(str(tmp_path / "eos"))
+    servers.update_weights(str(tmp_path / "eos"))
+    try:
+        hf = HFEngine(model, tiny_tokenizer)
+        free = SamplingParams(max_new_tokens=16, temperature=0.0)
+        held = SamplingParams(max_new_tokens=16, temperature=0.0, min_new_tokens=12)
+        sg_free, sg_held = servers.generate(prompts, free), servers.generate(prompts, held)
+        assert [g.token_ids for g in sg_free] == [g.token_ids for g in hf.generate(prompts, free)]
+        assert any(len(g.token_ids) < 12 for g in sg_free)  # without it, answers stop early
+        assert [g.token_ids for g in sg_held] == [g.token_ids for g in hf.generate(prompts, held)]
+        assert all(len(g.token_ids) >= 12 and eos not in g.token_ids[:12] for g in sg_held)
+    finally:
+        servers.update_weights(str(base_path))
+
+
 def test_sampled_logprobs_match_the_trainers(servers, base_model, tiny_tokenizer):
     """What TIS relies on: the engine's logprob of each sampled token (T=0.7) is the trainer's."""
     from trainer.grpo import pack, token_logprobs
