@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -130,9 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         text, problems = dry_run(cfg, until)
         print(text)
         return 2 if problems else 0
-    from flows.speedrun import FLOWS
+    from flows import prefect_server
 
     t0 = time.perf_counter()
+    server = prefect_server.start_early()  # its start-up overlaps the imports below
+    from flows.speedrun import FLOWS
+
+    prefect_server.confirm(server)
+    if server is not None:
+        from tasks.pipeline import warm_up
+
+        warm_up()  # meanwhile the server starts
+    prefect_server.wait(server)
     kwargs = {"nightly": True} if getattr(args, "nightly", False) else {}
     try:
         result = FLOWS[args.command](preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
     print_summary(result, time.perf_counter() - t0)
+    gc.freeze()  # nothing left needs collecting: saves ~1 s of garbage collection at interpreter exit
     return 0
 
 

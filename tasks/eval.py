@@ -15,14 +15,16 @@ from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 from trainer import storage
-from trainer.evaluate import evaluate
-from trainer.model import load_model
-from trainer.tokenizer import load_tokenizer
 
 
 @task(name="eval", cache_policy=NO_CACHE)
 def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval") -> dict:
     def body(work: Path, logger) -> dict:
+        # torch and transformers load here, not at import: a fully cached run never needs them
+        from trainer.evaluate import evaluate
+        from trainer.model import load_model
+        from trainer.tokenizer import load_tokenizer
+
         path = model_dir(model)
         policy, tok = load_model(path, cfg.model.dtype), load_tokenizer(path)
         result = evaluate(policy, tok, load_split(data, "test"), cfg.eval)

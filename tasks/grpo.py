@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -19,17 +19,18 @@ from prefect.utilities.annotations import quote
 from tasks.common import prefect_logger
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
-from trainer import checkpoint, engine as ds
-from trainer import faults
-from trainer.grpo import GRPOTrainer
-from trainer.model import load_model
-from trainer.rollout import RolloutBatch
-from trainer.tokenizer import load_tokenizer
+
+# torch, transformers and the trainer are imported where a round runs: a run whose stages are all
+# cache hits never needs them (seconds of start-up off every fully cached command)
+if TYPE_CHECKING:
+    from trainer.grpo import GRPOTrainer
+    from trainer.rollout import RolloutBatch
 
 
 def launch_sglang(cfg, sft: dict):
     """SGLang servers on the SFT policy (or connections to rollout.sglang.urls), healthy."""
     from trainer.sglang import SGLangEngine
+    from trainer.tokenizer import load_tokenizer
 
     path = model_dir(sft)
     return SGLangEngine.from_config(cfg.rollout.sglang, str(path), load_tokenizer(path), cfg.model.dtype)
@@ -42,6 +43,10 @@ def with_sglang_urls(cfg, urls: list[str]):
 
 
 def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
+    from trainer.grpo import GRPOTrainer
+    from trainer.model import load_model
+    from trainer.tokenizer import load_tokenizer
+
     path = model_dir(sft)
     tok = load_tokenizer(path)
     model = load_model(path, cfg.model.dtype)
@@ -96,6 +101,8 @@ def save_checkpoint(trainer: GRPOTrainer, round_: int) -> None:
 
 
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
+    from trainer import checkpoint, engine as ds
+
     # a checkpoint at the last round: asking this stage for more rounds later continues from it
     if checkpoint.tag_for(trainer.round) not in checkpoint.committed_tags(trainer.ckpt_dir):
         trainer.save()
@@ -119,6 +126,8 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
 def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, as_tasks: bool = True) -> dict[str, Any]:
     """Every round of one GRPO stage, then the export. `as_tasks=False` calls the steps directly
     (on a launched rank, where there is no Prefect flow run)."""
+    from trainer import faults
+
     fault = fault or {}
     trainer = make_trainer(cfg, data, sft, work, logger)
 

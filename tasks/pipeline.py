@@ -86,6 +86,18 @@ def _flow_run() -> tuple[str | None, str | None]:
         return None, None
 
 
+def warm_up() -> None:
+    """Load what every pipeline run needs first: the MLflow store (created or migrated), the reward
+    registry (stage keys) and the plotting stack (the summary). The CLI calls it while its temporary
+    Prefect server starts, on the other core, so a fully cached run does not wait for them later."""
+    import matplotlib.pyplot  # noqa: F401
+    import PIL.Image  # noqa: F401
+
+    import trainer.rewards  # noqa: F401
+
+    mlflow_client(tracking_uri())
+
+
 @contextmanager
 def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
                  nightly: bool = False) -> Iterator[PipelineRun]:

@@ -14,16 +14,18 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import SECTIONS, TrackingRef, run_launched, run_stage
 from tasks.prepare_data import load_split
 from tasks.tokenizer import tokenizer_dir
-from trainer import engine as ds
 from trainer import storage
-from trainer.model import build_model, count_params, resolve_pretrained
-from trainer.sft import train_sft
-from trainer.tokenizer import load_tokenizer
 
 
 def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger,
                      fault_at_step: int | None = None) -> dict:
     """The SFT stage's work on one rank: in this process, or on each rank under the launcher."""
+    # torch and transformers load here, not at import: a fully cached run never needs them
+    from trainer import engine as ds
+    from trainer.model import build_model, count_params, resolve_pretrained
+    from trainer.sft import train_sft
+    from trainer.tokenizer import load_tokenizer
+
     tok_path = tokenizer_dir(tokenizer) if tokenizer else resolve_pretrained(cfg.model.pretrained)
     tok = load_tokenizer(tok_path)
     model = build_model(cfg.model, tok, cfg.seed)

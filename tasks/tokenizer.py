@@ -13,12 +13,13 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from trainer import storage
-from trainer.tokenizer import train_tokenizer as train_bpe
 
 
 @task(name="tokenizer", cache_policy=NO_CACHE)
 def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
     def body(work: Path, logger) -> dict:
+        from trainer.tokenizer import train_tokenizer as train_bpe  # transformers: only when it runs
+
         train = load_split(data, "train")
         texts = (m["content"] for ex in train for m in ex["messages"])
         tok = train_bpe(texts, cfg.tokenizer.vocab_size, work / "tokenizer")

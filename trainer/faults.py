@@ -17,8 +17,6 @@ import functools
 import os
 import signal
 
-from trainer.engine import rank
-
 POINTS = ("sft", "grpo_mid_round", "grpo_after_update", "grpo_round")
 ENV = "POSTTRAIN_FAULT"
 
@@ -44,6 +42,8 @@ def parse(spec: str) -> tuple[tuple[str, int, str, int | None], ...]:
 
 def check(point: str, n: int, faults: dict[str, int] | None = None) -> None:
     """Fail here if a fault is set for (point, n)."""
+    from trainer.engine import rank  # torch: not at import (the flows import POINTS)
+
     for p, at, mode, on_rank in parse(os.environ.get(ENV, "")):
         if p == point and at == n and on_rank in (None, rank()):
             if mode == "kill":

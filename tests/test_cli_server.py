@@ -1,0 +1,79 @@
+"""The CLI's early temporary Prefect server (flows/prefect_server.py), in real `posttrain` processes.
+
+A command with no Prefect API configured starts Prefect's API app itself, before its imports, runs
+its flow against it (the flow run is real: the result names it) and stops it on exit. A server named
+by Prefect's own settings (here a profile) or a ban on temporary servers is left to Prefect: the
+command runs as it would without posttrain's server."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "flows.cli", "prepare-data", "--preset", "tiny", "--json", str(out),
+           "--set", f"artifact_root={tmp_path / 'artifacts'}", "--set", "data.synthetic.n_train=200",
+           "--set", "data.synthetic.n_test=20"]
+    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.run(cmd, cwd=ROOT, env={**base, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                              **env},
+                          capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path):
+    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = re.search(r"temporary Prefect server on http://127\.0\.0\.1:(\d+)/api for this command", proc.stderr)
+    assert m, proc.stderr[-4000:]
+    # Prefect did not start a second, temporary server of its own, and links nowhere (no UI)
+    assert "Starting temporary server" not in proc.stderr + proc.stdout
+    assert "View at" not in proc.stderr + proc.stdout
+    result = json.loads(out.read_text())
+    assert result["flow_run_id"], "the flow ran without a Prefect flow run"
+    assert not listening(int(m.group(1))), "the server outlived its command"
+    import tempfile
+
+    assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{m.group(1)}-*.log"))
+
+
+def test_a_server_in_the_prefect_profile_is_used_instead(tmp_path):
+    home = tmp_path / "prefect"
+    home.mkdir()
+    # port 9 (discard) has no Prefect API: the command must fail trying to reach exactly this URL
+    (home / "profiles.toml").write_text('active = "team"\n\n[profiles.team]\n'
+                                        'PREFECT_API_URL = "http://127.0.0.1:9/api"\n')
+    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(home)})
+    assert proc.returncode != 0
+    assert "temporary Prefect server" not in proc.stderr
+    assert "127.0.0.1:9/api" in proc.stderr + proc.stdout, proc.stderr[-4000:]
+    assert not out.exists()
+
+
+def test_a_ban_on_temporary_servers_is_prefects_error(tmp_path):
+    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect"),
+                                   "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"})
+    assert proc.returncode != 0
+    assert "temporary Prefect server" not in proc.stderr
+    assert "No Prefect API URL provided" in proc.stderr + proc.stdout, proc.stderr[-4000:]
+
+
+def test_the_flows_import_neither_torch_nor_transformers():
+    """A fully cached command never trains or generates: the stage bodies import torch and
+    transformers when they run, so a cached run does not pay their seconds of import."""
+    code = "import sys, flows.cli, flows.speedrun; print(sorted({'torch', 'transformers', 'deepspeed'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
