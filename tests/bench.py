@@ -7,7 +7,9 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    process (its peak RSS is its own) and the tools alternate, A B A B, so drift hits both.
    TRL runs at its fastest: `gradient_checkpointing=False` (its default is on, which recomputes
    the forward; posttrain does not checkpoint activations).
-3. SFT: `train_sft` against a plain PyTorch loop (AdamW, the same model, batches and schedule).
+3. SFT: `train_sft` against a plain PyTorch loop (AdamW, the same model, batches and schedule; the
+   loop pads each batch). posttrain runs twice: as it trains (`sft.packing`, rows of examples end to
+   end, no padding computed) and padded like the loop (what the training loop itself costs).
 4. The pipeline: a real `posttrain speedrun` (Prefect, MLflow on SQLite) on a small config: the
    seconds of each GRPO round spent outside the trainer, and the wall time of a fully cached re-run.
 
@@ -120,15 +122,17 @@ def sft_against_plain_loop(steps: int = 60, reps: int = 2) -> dict:
     cfg = load_config("tiny", [f"sft.max_steps={steps}", "sft.checkpoint_every=100000", "sft.log_every=100000"])
     s = cfg.sft
     data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 4000, "n_test": 10}), 0)
-    out: dict[str, list[float]] = {"posttrain": [], "plain": []}
+    out: dict[str, list[float]] = {"posttrain": [], "posttrain_padded": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         tok = train_tokenizer((m["content"] for ex in data.train for m in ex["messages"]), cfg.tokenizer.vocab_size,
                               Path(tmp) / "tok")
         encoded, _ = encode_dataset(tok, data.train, s.max_length)
         for rep in range(reps):
-            model = build_model(cfg.model, tok, 0)
-            _, res = train_sft(cfg, model, tok, data.train, Path(tmp) / f"sft{rep}")
-            out["posttrain"].append(res.tokens_per_second)
+            for key, run_cfg in (("posttrain", cfg), ("posttrain_padded", cfg.model_copy(
+                    update={"sft": s.model_copy(update={"packing": False})}))):
+                model = build_model(cfg.model, tok, 0)
+                _, res = train_sft(run_cfg, model, tok, data.train, Path(tmp) / f"{key}{rep}")
+                out[key].append(res.tokens_per_second)
 
             model = build_model(cfg.model, tok, 0).train()
             opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
@@ -149,11 +153,11 @@ def sft_against_plain_loop(steps: int = 60, reps: int = 2) -> dict:
                 loss.item()
                 tokens += int(batch["attention_mask"].sum())
             out["plain"].append(tokens / (time.perf_counter() - t0))
-            print(f"  SFT rep {rep + 1}: posttrain {out['posttrain'][-1]:,.0f} tok/s, plain loop "
-                  f"{out['plain'][-1]:,.0f} tok/s", flush=True)
-    p, q = statistics.median(out["posttrain"]), statistics.median(out["plain"])
-    return {"steps": steps, "posttrain_tokens_per_second": p, "plain_loop_tokens_per_second": q,
-            "ratio": p / q, "runs": out}
+            print(f"  SFT rep {rep + 1}: posttrain {out['posttrain'][-1]:,.0f} tok/s (packed), "
+                  f"{out['posttrain_padded'][-1]:,.0f} (padded), plain loop {out['plain'][-1]:,.0f} tok/s", flush=True)
+    p, pp, q = (statistics.median(out[k]) for k in ("posttrain", "posttrain_padded", "plain"))
+    return {"steps": steps, "posttrain_tokens_per_second": p, "posttrain_padded_tokens_per_second": pp,
+            "plain_loop_tokens_per_second": q, "ratio": p / q, "padded_ratio": pp / q, "runs": out}
 
 
 # ---------------------------------------------------------------- the pipeline around a round
@@ -246,8 +250,10 @@ def report(out: dict) -> None:
         for name, a, b, c in rows:
             print(f"  {name:<20}{a:>12,.3f}{b:>11,.3f}{c:>8.2f}")
     s = out["sft"]
-    print(f"SFT tokens/s: posttrain {s['posttrain_tokens_per_second']:,.0f}, plain PyTorch loop "
-          f"{s['plain_loop_tokens_per_second']:,.0f} (ratio {s['ratio']:.2f}, {s['steps']} steps)")
+    print(f"SFT tokens/s ({s['steps']} steps; tokens are the examples' own, padding not counted):\n"
+          f"  plain PyTorch loop (padded)   {s['plain_loop_tokens_per_second']:>8,.0f}\n"
+          f"  posttrain, padded like it     {s['posttrain_padded_tokens_per_second']:>8,.0f}  ratio {s['padded_ratio']:.2f}\n"
+          f"  posttrain as it trains        {s['posttrain_tokens_per_second']:>8,.0f}  ratio {s['ratio']:.2f} (packed)")
     if "pipeline" in out:
         p = out["pipeline"]
         print(f"pipeline: a GRPO round {p['round_seconds_in_trainer']:.3f}s in the trainer + "

@@ -99,3 +99,87 @@ def test_loss_is_one_per_token_mean_over_the_global_batch(tiny_tokenizer, tmp_pa
     assert result.final_loss == pytest.approx(per_token, rel=1e-5)
     # the gradient too (AdamW would hide a wrong scale): DeepSpeed's norm before clipping
     assert logger.metrics[0][1]["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+
+
+def _arch(kind: str, tok) -> torch.nn.Module:
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(5)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if kind == "qwen2":  # q/k/v biases and tied embeddings, as Qwen2.5-0.5B
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    if kind == "qwen3":  # q/k norms and its own head_dim
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=256))
+
+
+def _padded_and_packed(tok, n: int = 24, width: int = 256):
+    from trainer.sft import collate, encode_dataset, pack
+
+    rows = synthetic(load_config("tiny", []).data.synthetic.model_copy(update={"n_train": 200, "n_test": 2}), 3).train
+    encoded, _ = encode_dataset(tok, rows[:n], width)
+    return encoded, collate(encoded, tok.pad_token_id), pack(encoded, width, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_packed_batches_give_the_padded_loss_and_gradients(kind, tiny_tokenizer):
+    """Worked and short answers (uneven lengths) packed several to a row with padding at row ends:
+    the loss and every gradient equal the padded batch's; positions that do not restart per
+    example (examples attending to each other) would not."""
+    from trainer.sft import lm_forward, packing_unsupported
+
+    encoded, padded, packed = _padded_and_packed(tiny_tokenizer)
+    assert packed["input_ids"].shape[0] < len(encoded) / 2  # really packed, several per row
+    assert (packed["input_ids"] == tiny_tokenizer.pad_token_id).any()  # and a row ends in padding
+    assert int(packed["loss_mask"].sum()) == sum(sum(e.loss_mask[1:]) for e in encoded)
+    model = _arch(kind, tiny_tokenizer).train()
+    assert packing_unsupported(model) is None
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = masked_lm_loss(lm_forward(model, batch).logits, batch["input_ids"], batch["loss_mask"])
+        loss.backward()
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = loss_and_grads(padded)
+    got, got_grads = loss_and_grads(packed)
+    assert got == pytest.approx(want, rel=1e-6)
+    scale = max(float(g.abs().max()) for g in want_grads)
+    assert max(float((a - b).abs().max()) for a, b in zip(got_grads, want_grads)) < 1e-5 * scale
+    width = packed["input_ids"].shape[1]
+    joined = {**packed, "position_ids": torch.arange(width).expand_as(packed["position_ids"])}
+    assert loss_and_grads(joined)[0] != pytest.approx(want, rel=1e-4)
+
+
+def test_sft_packs_where_it_can_and_pads_elsewhere(tiny_tokenizer, tmp_path, caplog):
+    """train_sft through DeepSpeed: packed and padded runs take the same steps to the same loss;
+    GPT-2 (no packed-sequence masks verified) is padded, and says so."""
+    import logging
+
+    from trainer.sft import packing_unsupported
+
+    rows = synthetic(load_config("tiny", []).data.synthetic.model_copy(update={"n_train": 200, "n_test": 2}), 1).train
+    results = {}
+    for packing in (True, False):
+        cfg = load_config("tiny", ["model.hidden_size=32", "model.num_layers=2", "model.intermediate_size=64",
+                                   "sft.micro_batch_size=16", "sft.max_steps=4", "sft.log_every=1",
+                                   f"sft.packing={str(packing).lower()}"])
+        _, results[packing] = train_sft(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, rows,
+                                        tmp_path / str(packing))
+    assert results[True].steps == results[False].steps == 4
+    assert results[True].final_loss == pytest.approx(results[False].final_loss, rel=1e-4)
+
+    gpt2 = _arch("gpt2", tiny_tokenizer)
+    assert "gpt2" in packing_unsupported(gpt2)
+    cfg = load_config("tiny", ["sft.micro_batch_size=8", "sft.max_steps=1"])
+    with caplog.at_level(logging.INFO, logger="trainer.sft"):
+        _, res = train_sft(cfg, gpt2, tiny_tokenizer, rows, tmp_path / "gpt2")
+    assert res.steps == 1
+    assert "padded batches, not packed" in caplog.text

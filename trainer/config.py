@@ -162,6 +162,9 @@ class SFTConfig(Strict):
     max_seconds: float | None = Field(120.0, gt=0, description="time budget; the LR schedule spans the planned steps")
     epochs: float = Field(1.0, gt=0)
     max_length: int = Field(128, ge=8)
+    packing: bool = Field(True, description="pack each micro-batch's examples into rows of up to max_length "
+                          "tokens, each attending only to itself (same loss and gradients, no padding "
+                          "computed); Llama, Mistral, Qwen2 and Qwen3 only, others are padded")
     grad_clip: float = Field(1.0, gt=0)
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between DeepSpeed checkpoints")
     log_every: int = Field(10, ge=1)

@@ -59,6 +59,58 @@ def collate(batch, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+# Architectures whose attention mask follows restarting position ids (transformers' packed-sequence
+# masks, with no attention_mask and no cache), checked against padded batches in tests/test_sft.py.
+PACKABLE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return None if kind in PACKABLE else f"model_type {kind!r} is not one of {list(PACKABLE)}"
+
+
+def pack(batch, width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The examples laid end to end in rows of at most `width` tokens (first fit, longest first).
+
+    Position ids restart at 0 with each example, which makes transformers mask every example to
+    itself: each token sees what it sees in a padded batch, so the loss and gradients are a padded
+    batch's, without computing the padding. An example's first token is no target (it would be
+    predicted from the previous example). Padding at a row's end is a block of its own."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(batch)), key=lambda i: -len(batch[i].input_ids)):
+        n = len(batch[i].input_ids)
+        r = next((r for r in range(len(rows)) if fill[r] + n <= width), None)
+        if r is None:
+            rows.append([])
+            fill.append(0)
+            r = len(rows) - 1
+        rows[r].append(i)
+        fill[r] += n
+    w = max(fill)
+    ids = torch.full((len(rows), w), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), w), dtype=torch.long)
+    mask = torch.zeros((len(rows), w), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            e = batch[i]
+            n = len(e.input_ids)
+            ids[r, at:at + n] = torch.tensor(e.input_ids)
+            pos[r, at:at + n] = torch.arange(n)
+            mask[r, at + 1:at + n] = torch.tensor(e.loss_mask[1:])
+            at += n
+        pos[r, at:] = torch.arange(w - at)
+    return {"input_ids": ids, "position_ids": pos, "loss_mask": mask}
+
+
+def lm_forward(engine, batch: dict[str, torch.Tensor]):
+    """The model's output on a padded (collate) or packed (pack) batch."""
+    if "position_ids" in batch:  # no cache: with one, transformers would not mask the examples apart
+        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    return engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
 def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                    n_tokens: float | None = None) -> torch.Tensor:
     """Next-token cross-entropy summed over positions whose target token has loss_mask 1, divided
@@ -130,6 +182,9 @@ def train_sft(
 
     rank, world = ds.rank(), ds.world_size()
     per_rank = s.micro_batch_size
+    packing = s.packing and packing_unsupported(model) is None
+    if s.packing and not packing:
+        log.info("sft: padded batches, not packed: %s", packing_unsupported(model))
     order = epoch_order(len(data), cfg.seed, epoch)
     loss_value, t0, tok_t0 = float("nan"), time.perf_counter(), 0
     engine.train()
@@ -153,14 +208,16 @@ def train_sft(
             losses = []
             for everyone in micro:
                 idx = everyone[rank * per_rank: (rank + 1) * per_rank]
-                batch = collate([data[i] for i in idx], tok.pad_token_id)
-                out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                examples = [data[i] for i in idx]
+                batch = (pack(examples, s.max_length, tok.pad_token_id) if packing
+                         else collate(examples, tok.pad_token_id))
+                out = lm_forward(engine, batch)
                 loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"], n_tokens)
                 # DeepSpeed divides by its accumulation steps and averages over ranks
                 engine.backward(loss * s.grad_accum * world)
                 engine.step()
                 losses.append(loss.item())
-                tok_t0 += int(batch["attention_mask"].sum()) * world
+                tok_t0 += sum(len(e.input_ids) for e in examples) * world
             step += 1
             loss_value = ds.sum_across_ranks([sum(losses)])[0]
             bar.update(1, loss=loss_value)
