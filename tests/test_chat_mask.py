@@ -61,7 +61,9 @@ def test_batched_encoding_is_the_per_call_tokenization(tiny_tokenizer):
     convs = [ex["messages"] for ex in synthetic(SyntheticData(n_train=40, n_test=5, worked_fraction=0.5), 1).train]
     convs += [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ben has 2 cups."},
                {"role": "assistant", "content": "#### 2"}, {"role": "user", "content": "He buys 4 more."},
-               {"role": "assistant", "content": "2+4=6\n#### 6"}]]
+               {"role": "assistant", "content": "2+4=6\n#### 6"}],
+              [{"role": "assistant", "content": "#### 1"}, {"role": "user", "content": "ok"}],  # starts, ends off the assistant
+              [{"role": "user", "content": "Ben has 2 cups."}]]
     many = encode_many(tok, convs, max_length=48, chunk=7)
     assert len(many) == len(convs)
     for messages, enc in zip(convs, many):
@@ -72,3 +74,27 @@ def test_batched_encoding_is_the_per_call_tokenization(tiny_tokenizer):
         answers = [m["content"] for m in messages if m["role"] == "assistant"]
         if not enc.truncated:
             assert masked == "".join(a + "<|end|>" for a in answers)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversation(tiny_tokenizer):
+    """A template that renders an earlier assistant turn differently once more follows (as
+    reasoning templates do when they drop earlier <think> blocks) cannot give an exact mask."""
+    import copy
+
+    import pytest
+
+    from trainer.chat import ChatFormatError, encode_many
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    fine = [{"role": "user", "content": "Ben has 2 cups."}, {"role": "assistant", "content": "#### 2"}]
+    assert encode_many(tok, [fine], max_length=64)[0].loss_mask.count(1) > 0
+    bad = fine[:1] + [{"role": "assistant", "content": "<think>2</think>#### 2"},
+                      {"role": "user", "content": "He buys 4 more."}, {"role": "assistant", "content": "#### 6"}]
+    with pytest.raises(ChatFormatError, match=r"conversation 1: .*generation prompt after message 2"):
+        encode_many(tok, [fine, bad], max_length=64)

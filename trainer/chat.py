@@ -36,15 +36,32 @@ def encode_prompt(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[in
     return _ids(tok, messages, add_generation_prompt=True)
 
 
-def _renders(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[str]:
-    """The texts encode_chat tokenizes, in order: per turn, the generation-prompt prefix before an
-    assistant message, then the conversation up to and including the turn."""
-    out = []
+def _render_plan(messages: list[dict]) -> list[tuple[int, bool]]:
+    """The renderings encode_chat tokenizes, in order, as (number of leading messages,
+    add_generation_prompt): per assistant turn, the conversation before it with the generation
+    prompt, then the conversation up to and including the turn; the whole conversation once more
+    if it ends on another role. Other turns need no rendering of their own: their tokens are 0 in
+    the mask whatever they are, as long as every rendering extends the one before it."""
+    plan = []
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant":
-            out.append(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
-        out.append(tok.apply_chat_template(messages[: i + 1], tokenize=False, add_generation_prompt=False))
-    return out
+            plan += [(i, True), (i + 1, False)]
+    if not plan or messages[-1]["role"] != "assistant":
+        plan.append((len(messages), False))
+    return plan
+
+
+def _render(tok: PreTrainedTokenizerBase, conversations: list[list[dict]],
+            plans: list[list[tuple[int, bool]]]) -> list[list[str]]:
+    """Each plan's texts, rendered in one batched apply_chat_template call per add_generation_prompt."""
+    texts: list[list[str]] = [[""] * len(plan) for plan in plans]
+    for gen in (True, False):
+        where = [(c, j) for c, plan in enumerate(plans) for j, (_, g) in enumerate(plan) if g == gen]
+        if where:
+            batch = [conversations[c][: plans[c][j][0]] for c, j in where]
+            for (c, j), text in zip(where, tok.apply_chat_template(batch, tokenize=False, add_generation_prompt=gen)):
+                texts[c][j] = text
+    return texts
 
 
 def _tokenize(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
@@ -58,19 +75,20 @@ def _tokenize(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def _assemble(messages: list[dict], tokenized: list[list[int]], max_length: int) -> Encoded:
+def _assemble(messages: list[dict], plan: list[tuple[int, bool]], tokenized: list[list[int]],
+              max_length: int, row: int) -> Encoded:
     ids: list[int] = []
     mask: list[int] = []
-    pieces = iter(tokenized)
-    for i, msg in enumerate(messages):
-        prefix = next(pieces) if msg["role"] == "assistant" else ids
-        full = next(pieces)
-        if full[: len(ids)] != ids or full[: len(prefix)] != prefix:
+    for (n, gen), full in zip(plan, tokenized):
+        if full[: len(ids)] != ids:
+            what = f"the generation prompt after message {n - 1}" if gen else f"message {n - 1}"
             raise ChatFormatError(
-                f"chat template does not render turn {i} as an extension of the turns before it; "
-                "the assistant-only loss mask needs a prefix-stable template"
+                f"conversation {row}: the chat template does not render {what} as an extension of the "
+                "messages before it (their tokens change once it follows); the assistant-only loss mask "
+                "needs a template that renders earlier turns the same whatever comes after them"
             )
-        mask.extend([0] * (len(prefix) - len(ids)) + [int(msg["role"] == "assistant")] * (len(full) - len(prefix)))
+        trained = not gen and messages[n - 1]["role"] == "assistant"
+        mask.extend([int(trained)] * (len(full) - len(ids)))
         ids = full
     truncated = len(ids) > max_length
     return Encoded(ids[:max_length], mask[:max_length], truncated)
@@ -82,14 +100,15 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], max_length: 
 
 def encode_many(tok: PreTrainedTokenizerBase, conversations: list[list[dict]], max_length: int,
                 chunk: int = 4096) -> list[Encoded]:
-    """encode_chat for many conversations, their renderings tokenized in batches of `chunk`."""
+    """encode_chat for many conversations, rendered and tokenized in batches of `chunk`."""
     out: list[Encoded] = []
     for start in range(0, len(conversations), chunk):
         part = conversations[start: start + chunk]
-        renders = [_renders(tok, messages) for messages in part]
+        plans = [_render_plan(messages) for messages in part]
+        renders = _render(tok, part, plans)
         flat = _tokenize(tok, [t for texts in renders for t in texts])
         pos = 0
-        for messages, texts in zip(part, renders):
-            out.append(_assemble(messages, flat[pos: pos + len(texts)], max_length))
-            pos += len(texts)
+        for k, (messages, plan) in enumerate(zip(part, plans)):
+            out.append(_assemble(messages, plan, flat[pos: pos + len(plan)], max_length, start + k))
+            pos += len(plan)
     return out
