@@ -21,12 +21,13 @@ from trainer import storage
 def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval") -> dict:
     def body(work: Path, logger) -> dict:
         # torch and transformers load here, not at import: a fully cached run never needs them
+        from trainer.engine import device
         from trainer.evaluate import evaluate
         from trainer.model import load_model
         from trainer.tokenizer import load_tokenizer
 
         path = model_dir(model)
-        policy, tok = load_model(path, cfg.model.dtype), load_tokenizer(path)
+        policy, tok = load_model(path, cfg.model.dtype).to(device()), load_tokenizer(path)
         result = evaluate(policy, tok, load_split(data, "test"), cfg.eval)
         storage.write_jsonl(str(work / "results.jsonl"), result.rows)
         metrics = {**result.metrics(), "eval/seconds": result.seconds}

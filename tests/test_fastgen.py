@@ -114,13 +114,19 @@ def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p):
     assert len({tuple(g.token_ids) for g in gens[:4]}) > 1
 
 
+def _free_and_held(kind: str, tok, eos_boost: float):
+    """A model made to favour EOS, and its samples without and with min_new_tokens=5."""
+    model = _model(kind, tok)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] += eos_boost * model.lm_head.weight.std()
+    prompts = _prompts(tok, 8)
+    free = generate(model, tok, prompts, 12, temperature=1.0, seed=1)
+    held = generate(model, tok, prompts, 12, temperature=1.0, seed=1, min_new_tokens=5)
+    return model, free, held
+
+
 def test_min_new_tokens_holds_back_eos(char_tok):
-    model = _model("llama", char_tok)
-    with torch.no_grad():  # EOS nearly certain at every step
-        model.lm_head.weight[char_tok.eos_token_id] += 50 * model.lm_head.weight.std()
-    prompts = _prompts(char_tok, 8)
-    free = generate(model, char_tok, prompts, 12, temperature=1.0, seed=1)
-    held = generate(model, char_tok, prompts, 12, temperature=1.0, seed=1, min_new_tokens=5)
+    _, free, held = _free_and_held("llama", char_tok, 50)  # EOS nearly certain at every step
     assert all(g.token_ids == [char_tok.eos_token_id] for g in free)
     assert all(len(g.token_ids) >= 6 and g.token_ids[-1] == char_tok.eos_token_id for g in held)
     assert all(char_tok.eos_token_id not in g.token_ids[:5] for g in held)
@@ -154,3 +160,43 @@ def test_other_models_fall_back_to_hf_generate(char_tok):
     prompts = _prompts(char_tok, 4)
     got = generate(model, char_tok, prompts, 8, logprobs=False)
     assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 8)
+
+
+# ---------------------------------------------------------------- the HF generate path (GPUs, other models)
+
+@pytest.fixture
+def hf_path(monkeypatch):
+    """Generation through HF `generate`, as on a GPU (the fast decoder is CPU-only): the same models
+    and prompts as above, only the decoder differs."""
+    import trainer.generate as G
+
+    monkeypatch.setattr(G, "decoder_for", lambda model: None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_hf_path_sampled_logprobs_are_the_trainers(char_tok, hf_path, kind, temperature, top_p):
+    """HF `generate`'s sampled tokens carry the trainer's log-probs (tempered, not renormalised
+    over the top-p nucleus), recorded a step at a time rather than from every step's logits."""
+    model = _model(kind, char_tok)
+    prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
+    gens = generate(model, char_tok, prompts, 24, temperature=temperature, top_p=top_p, seed=5, batch_size=10)
+    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
+    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
+    assert packed.mask.sum() > 200
+    assert all(len(g.logprobs) == len(g.token_ids) for g in gens)
+    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    assert len({len(g.token_ids) for g in gens}) > 1  # rows stopped at different steps
+
+
+def test_hf_path_min_new_tokens_holds_back_eos_and_keeps_the_unmasked_logprobs(char_tok, hf_path):
+    model, free, held = _free_and_held("qwen2", char_tok, 5)  # EOS likely early
+    assert sum(len(g.token_ids) <= 5 for g in free) >= 4
+    assert all(len(g.token_ids) >= 6 and char_tok.eos_token_id not in g.token_ids[:5] for g in held)
+    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in held]
+    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn)
+    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4

@@ -43,6 +43,9 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     skip_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        # each rank's own GPU: DeepSpeed places the model there, and NCCL's collectives use it
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     one_rank = os.environ.get(_OWNER) == str(os.getpid())  # a group this module made up
     rendezvous = os.environ.get(RENDEZVOUS) or (rendezvous_file() if one_rank else None)
     if rendezvous:
@@ -50,7 +53,8 @@ def init_distributed() -> None:
         # interface), and gloo talks over loopback: nothing of a local run is reachable from outside.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                device_id=device() if torch.cuda.is_available() else None)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
@@ -76,6 +80,14 @@ def skip_shm_comm_build() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def device() -> torch.device:
+    """Where this process computes: its rank's GPU when there is one (the one `init_distributed`
+    selected), else the CPU. Batches, evaluated models and collectives' tensors go there."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def rank() -> int:
@@ -150,7 +162,7 @@ def any_rank(flag: bool) -> bool:
 
     if world_size() == 1:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=device())  # NCCL reduces GPU tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -160,7 +172,7 @@ def sum_across_ranks(values: list[float]) -> list[float]:
 
     if world_size() == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device())
     dist.all_reduce(t)
     return t.tolist()
 

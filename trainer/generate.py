@@ -30,6 +30,38 @@ def decoder_for(model: torch.nn.Module) -> FastDecoder | None:
     return None
 
 
+class _SampledLogprobs:
+    """A logits processor for HF `generate` that keeps the log-probability of each sampled token
+    under softmax(logits / T), one step behind: at step t+1 the token sampled at step t is the last
+    of `input_ids`. It holds one step's [B, V] log-probs, where `output_logits` would keep every
+    step's (B x V x new tokens: 45 GB for 384 rollouts of 384 tokens over Qwen's 151,936-token
+    vocabulary). It also holds EOS back for `min_new` tokens, after taking the log-probs, so a
+    held-back EOS leaves the distribution unmasked (as the fast decoder and SGLang report it)."""
+
+    def __init__(self, width: int, temperature: float, eos: int | None, min_new: int, keep: bool) -> None:
+        self.width, self.temperature, self.eos, self.min_new, self.keep = width, temperature, eos, min_new, keep
+        self.last: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.keep:
+            if self.last is not None:
+                self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+            step = scores.float() / self.temperature if self.temperature > 0 else scores.float()
+            self.last = torch.log_softmax(step, dim=-1)
+        if self.eos is not None and input_ids.shape[1] - self.width < self.min_new:
+            scores = scores.clone()
+            scores[:, self.eos] = float("-inf")
+        return scores
+
+    def logprobs(self, new: torch.Tensor) -> torch.Tensor:
+        """[B, new tokens] log-probs of `new`, the tokens generated."""
+        if self.last is not None and new.shape[1]:
+            self.steps.append(self.last.gather(-1, new[:, -1:]).squeeze(-1))
+        self.last = None
+        return torch.stack(self.steps, 1) if self.steps else torch.zeros(new.shape, device=new.device)
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -72,6 +104,7 @@ def generate(
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: dict[int, Generation] = {}
     fast = decoder_for(model)
+    device = next(model.parameters()).device  # HF generate: the prompts go where the weights are
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = [prompts[i] for i in idx]
@@ -89,19 +122,18 @@ def generate(
                 progress.update(len(idx))
             continue
         ids, attn = left_pad(batch, pad)
+        ids, attn = ids.to(device), attn.to(device)
         width = ids.shape[1]
         kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                      eos_token_id=eos, return_dict_in_generate=True, output_logits=logprobs,
-                      min_new_tokens=min_new_tokens or None)
+                      eos_token_id=eos, return_dict_in_generate=True)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
-        gen = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        # ahead of the temperature and top-p warpers, which generate adds after the processors given
+        record = _SampledLogprobs(width, temperature, eos, min_new_tokens, keep=logprobs)
+        gen = model.generate(input_ids=ids, attention_mask=attn, logits_processor=[record], **kwargs)
         new = gen.sequences[:, width:]
-        logp = torch.zeros(new.shape, dtype=torch.float32)
-        if logprobs:  # one step at a time: no [B, T, V] copy beside the raw logits generate keeps
-            for t, step in enumerate(gen.logits):
-                step = step.float() / temperature if temperature > 0 else step.float()
-                logp[:, t] = torch.log_softmax(step, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+        logp = record.logprobs(new) if logprobs else None
+        new, logp = new.cpu(), (logp.cpu() if logp is not None else None)  # one copy back, not one a row
         for r, i in enumerate(idx):
             toks = new[r].tolist()
             n = toks.index(eos) + 1 if eos in toks else len(toks)

@@ -13,7 +13,7 @@ import copy
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -116,18 +116,19 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     rows, inverse = distinct(prompts)
     R = max(max(rlen), 1)
     pad = 0  # any id: padded positions are masked out
+    dev = ids.device
     pids, pmask = left_pad([prompts[r] for r in rows], pad)
-    pmask = pmask.to(attn.dtype)
+    pids, pmask = pids.to(dev), pmask.to(dev, attn.dtype)
     out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
                  use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_select_indices(inverse)
-    rids = torch.full((B, R), pad, dtype=ids.dtype)
-    rmask = torch.zeros((B, R), dtype=attn.dtype)
+    rids = torch.full((B, R), pad, dtype=ids.dtype, device=dev)
+    rmask = torch.zeros((B, R), dtype=attn.dtype, device=dev)
     for i in range(B):
         rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
         rmask[i, : rlen[i]] = 1
-    positions = prompt_len[:, None] + torch.arange(R)[None]
+    positions = prompt_len[:, None] + torch.arange(R, device=dev)[None]
     resp = module(input_ids=rids, attention_mask=torch.cat([pmask[inverse], rmask], 1), position_ids=positions,
                   past_key_values=cache, use_cache=True).logits
     # response token j is predicted at the prompt's last position (j = 0) or the response's j - 1
@@ -136,10 +137,10 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
     entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
     # back to the packed layout: response token j of sample i sits at position plen[i] - 1 + j
-    index = prompt_len[:, None] - 1 + torch.arange(R)[None]
+    index = prompt_len[:, None] - 1 + torch.arange(R, device=dev)[None]
 
     def unpack(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((B, W - 1 + R), dtype=x.dtype).scatter(1, index, x)[:, : W - 1]
+        return torch.zeros((B, W - 1 + R), dtype=x.dtype, device=dev).scatter(1, index, x)[:, : W - 1]
 
     return unpack(lp), (unpack(entropy) if entropy is not None else None)
 
@@ -162,6 +163,9 @@ class PackedBatch:
     adv: torch.Tensor        # [B] advantage per sequence
     engine_logp: torch.Tensor  # [B, T-1] aligned with mask
     prompt_len: torch.Tensor   # [B]
+
+    def to(self, device: torch.device) -> "PackedBatch":
+        return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def pack(samples: list[Sample], advantages: list[float], pad_id: int) -> PackedBatch:
@@ -210,6 +214,8 @@ class GRPOTrainer:
         scheduler = get_constant_schedule_with_warmup(optimizer, g.warmup_rounds * steps_per_round)
         self.ds = ds.initialize(model, optimizer, scheduler,
                                 ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
+        if self.reference is not None:  # beside the policy, which DeepSpeed placed on the rank's device
+            self.reference.to(self.ds.device)
         self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size)
         self.rewards = RewardMix.from_specs(g.rewards)
         self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward)
@@ -280,6 +286,7 @@ class GRPOTrainer:
         packed = pack(samples, advs, self.tok.pad_token_id)
         group_of = [s.example_index for s in samples]
         module = self.ds.module
+        dev = self.ds.device  # each micro-batch goes to the rank's GPU (or stays on the CPU)
         mb = g.micro_batch_size
         temp = self.cfg.rollout.temperature
         n = len(samples)
@@ -293,7 +300,7 @@ class GRPOTrainer:
             with torch.no_grad():
                 old, ref = [], []
                 for i in range(0, n, mb):
-                    part = _slice(packed, list(range(i, min(i + mb, n))))
+                    part = _slice(packed, list(range(i, min(i + mb, n)))).to(dev)
                     lp, _ = response_logprobs(module, part, temp)
                     old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
                     if self.reference is not None:
@@ -337,8 +344,8 @@ class GRPOTrainer:
                     self.ds.set_gradient_accumulation_boundary(k == n_micro - 1)
                     weight = 1.0 if part_idx else 0.0
                     part_idx = part_idx or idx[:1]
-                    part = _slice(packed, part_idx)
-                    sel_p = torch.tensor(part_idx)
+                    part = _slice(packed, part_idx).to(dev)
+                    sel_p = torch.tensor(part_idx, device=dev)
                     w = part.mask.shape[1]
                     lp, ent = response_logprobs(module, part, temp, with_entropy=g.entropy_coef > 0)
                     adv = part.adv.unsqueeze(1).expand_as(lp)

@@ -39,12 +39,13 @@ class RewardModel:
     def __init__(self, path: str) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from trainer.engine import device
         from trainer.model import resolve_pretrained
 
         try:
             local = resolve_pretrained(path)
             self.tok = AutoTokenizer.from_pretrained(local)
-            self.model = AutoModelForSequenceClassification.from_pretrained(local).eval()
+            self.model = AutoModelForSequenceClassification.from_pretrained(local).eval().to(device())
         except (OSError, ValueError) as exc:
             raise RewardError(f"grpo.rewards: reward_model path {path!r} could not be loaded: {exc}") from None
         if self.tok.pad_token is None:
@@ -58,7 +59,7 @@ class RewardModel:
         import torch
 
         texts = [_chat_text(self.tok, ex, r) for r, ex in zip(responses, examples)]
-        enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=1024)
+        enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=1024).to(self.model.device)
         with torch.no_grad():
             logits = self.model(**enc).logits
         return logits[:, 0].float().tolist()

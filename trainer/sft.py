@@ -211,6 +211,7 @@ def train_sft(
                 examples = [data[i] for i in idx]
                 batch = (pack(examples, s.max_length, tok.pad_token_id) if packing
                          else collate(examples, tok.pad_token_id))
+                batch = {k: v.to(engine.device) for k, v in batch.items()}  # the rank's GPU, or the CPU
                 out = lm_forward(engine, batch)
                 loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"], n_tokens)
                 # DeepSpeed divides by its accumulation steps and averages over ranks
