@@ -97,11 +97,12 @@ def _committed_steps(folder: Path) -> list[int]:
 def test_a_waiting_run_takes_over_from_a_killed_holder(tmp_path):
     """Two runs of one SFT key: the second waits; the first is SIGKILLed mid-SFT (as an OOM kill
     would), and the waiter takes over from the holder's last committed checkpoint instead of
-    waiting forever or starting again."""
+    waiting forever or starting again. The holder stalls after step 20's checkpoint (an injected
+    hang) until it is killed, so it cannot finish SFT first however fast the machine is."""
     root = tmp_path / "artifacts"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     longer = ["sft.max_steps=400", "sft.checkpoint_every=10"]  # as many steps as 2 epochs hold: 75
-    holder = start_cli(root, tmp_path / "holder.json", store, longer)
+    holder = start_cli(root, tmp_path / "holder.json", store, longer, env={"POSTTRAIN_FAULT": "sft@21:hang"})
     deadline = time.monotonic() + 300
     while not any(root.glob(".locks/sft/*.holder")):
         assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
@@ -110,21 +111,23 @@ def test_a_waiting_run_takes_over_from_a_killed_holder(tmp_path):
     waiter = start_cli(root, tmp_path / "waiter.json", store, longer)
     while "is computing it" not in (tmp_path / "waiter.log").read_text():
         assert waiter.poll() is None, (tmp_path / "waiter.log").read_text()[-3000:]
-        assert holder.poll() is None, "the first run ended before the second started waiting; SFT is too short"
+        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the second run never waited"
         time.sleep(0.2)
     [folder] = root.glob("sft/*")
-    while not _committed_steps(folder):
+    while "injected hang at sft 21" not in (tmp_path / "holder.log").read_text():
+        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the first run never reached SFT step 21"
         time.sleep(0.2)
     os.killpg(holder.pid, signal.SIGKILL)
     holder.wait()
-    steps = _committed_steps(folder)
+    assert _committed_steps(folder) == [10, 20]
     result = finish(waiter, tmp_path / "waiter.json")
     sft = next(s for s in result["stages"] if s["stage"] == "sft")
     assert not sft["cache_hit"]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["result"]["resumed_from_step"] == steps[-1], (steps, manifest["result"])
-    print(f"\nholder killed with checkpoints {steps}; the waiter resumed at step {steps[-1]}")
+    assert manifest["result"]["resumed_from_step"] == 20, manifest["result"]
+    assert sft["metrics"]["sft/steps"] == 75
 
 
 def test_four_runs_at_once_on_a_fresh_server_backed_store(tmp_path):
