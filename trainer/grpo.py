@@ -91,7 +91,8 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
     """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy.
 
     Under the sampling temperature: the policy being optimised is the one rollouts came from."""
-    logits = module(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    # the last position's logits would predict past the end: it is not run
+    logits = module(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
@@ -128,11 +129,15 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     for i in range(B):
         rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
         rmask[i, : rlen[i]] = 1
-    positions = prompt_len[:, None] + torch.arange(R, device=dev)[None]
-    resp = module(input_ids=rids, attention_mask=torch.cat([pmask[inverse], rmask], 1), position_ids=positions,
-                  past_key_values=cache, use_cache=True).logits
-    # response token j is predicted at the prompt's last position (j = 0) or the response's j - 1
-    logits = torch.cat([out.logits[:, -1:][inverse], resp[:, :-1]], 1).float() / temperature
+    # Response token j is predicted at the prompt's last position (j = 0) or the response's j - 1:
+    # the response pass runs the first R - 1 tokens (the last one's logits would predict past the end).
+    first = out.logits[:, -1:][inverse]
+    if R > 1:
+        positions = prompt_len[:, None] + torch.arange(R - 1, device=dev)[None]
+        resp = module(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
+                      position_ids=positions, past_key_values=cache, use_cache=True).logits
+        first = torch.cat([first, resp], 1)
+    logits = first.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
     entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
