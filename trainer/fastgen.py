@@ -76,8 +76,12 @@ def distinct(seqs) -> tuple[list[int], torch.Tensor]:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The models' RMSNorm, in their order of operations (float32 inside, weight after the cast back)."""
+    """The models' RMSNorm, in their order of operations (float32 inside, weight after the cast back).
+    In float32 there is no cast, and torch's fused kernel gives the same floats in one op (bit for bit
+    on every shape we compared, 64 to 1000 wide)."""
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
