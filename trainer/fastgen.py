@@ -10,7 +10,9 @@ decoder runs the same layers with the same weights as plain tensor code:
 - the samples of one prompt share its prefill;
 - rotary cos/sin from the model's own rotary module, computed once for every position;
 - grouped-query attention as SDPA over [B, kv_heads, groups, head_dim] queries (no K/V repeat);
-- finished sequences leave the batch, so a round whose answers end early stops paying for them.
+- finished sequences leave the batch, so a round whose answers end early stops paying for them;
+- sampling by inverse CDF, one uniform number a row (`sample`), and the decoding mask built once a
+  step for every layer.
 
 It covers Llama, Mistral (no sliding window), Qwen2 and Qwen3 on CPU; `unsupported()` names why
 any other model falls back to `generate`. The results are the model's own forward up to float
