@@ -125,6 +125,7 @@ class FastDecoder:
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.groups = self.heads // self.kv_heads  # query heads per KV head
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.max_positions = cfg.max_position_embeddings
         self.cos = self.sin = None
@@ -183,7 +184,7 @@ class FastDecoder:
         end = start + S
         kcache[:, :, start:end] = k.transpose(1, 2)
         vcache[:, :, start:end] = v.transpose(1, 2)
-        g = nh // nkv
+        g = self.groups
         # queries grouped under their KV head: [B, kv, g*S, hd] attend [B, kv, end, hd]
         qg = q.view(B, S, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * S, hd)
         if S == 1:  # one query row per head: plain matmuls beat the SDPA kernel's set-up on CPU
@@ -279,9 +280,8 @@ class FastDecoder:
                 finished = [False] * len(keep)
             valid[:, col] = True
             # additive, shared by every layer and in baddbmm's layout: 0 where a key is visible, -inf where not
-            g = self.heads // self.kv_heads
-            step_mask = torch.zeros((len(live), self.kv_heads * g, col + 1), dtype=dtype).masked_fill_(
-                ~valid[:, None, : col + 1], float("-inf")).view(len(live) * self.kv_heads, g, col + 1)
+            step_mask = torch.zeros((len(live), self.heads, col + 1), dtype=dtype).masked_fill_(
+                ~valid[:, None, : col + 1], float("-inf")).view(len(live) * self.kv_heads, self.groups, col + 1)
             logits = self._forward(nxt[:, None], next_pos[:, None], caches, col, step_mask)
             next_pos = next_pos + 1
         return out_tok, out_lp
