@@ -46,3 +46,26 @@ def test_grpo_resume_is_exact(tiny_tokenizer, tmp_path):
         resumed.sync()
     assert resumed.state_hash() == full.state_hash()
     assert [h["reward/mean"] for h in resumed.history] == pytest.approx([h["reward/mean"] for h in full.history])
+
+
+def test_a_gpu_process_asks_for_deterministic_kernels(monkeypatch):
+    """CUDA cannot run here, so torch.cuda.is_available and torch's switch are patched: this checks
+    that a GPU process makes the settings its exact resume needs, once, unless turned off. That they
+    suffice was measured on one H100 (docs/gpu.md): the test above failed there without them."""
+    import os
+
+    import torch
+
+    from trainer import engine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append((on, warn_only)))
+    monkeypatch.setattr(engine, "_determinism_set", False)
+    monkeypatch.setattr(os, "environ", {engine.DETERMINISTIC: "0"})
+    engine.deterministic_gpu()
+    assert calls == [] and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    del os.environ[engine.DETERMINISTIC]
+    engine.deterministic_gpu()
+    engine.deterministic_gpu()
+    assert calls == [(True, False)] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

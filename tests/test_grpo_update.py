@@ -131,7 +131,9 @@ def test_a_skipped_round_logs_its_own_stats_once(tiny_tokenizer, tmp_path):
 # ---------------------------------------------------------------- the objective, computed apart
 
 def expected_loss(model, reference, batch: RolloutBatch, g, temperature: float) -> torch.Tensor:
-    """The round's loss at its first step (policy == old policy), one sequence at a time."""
+    """The round's loss at its first step (policy == old policy), one sequence at a time, on the
+    model's device (the trainer's GPU where there is one)."""
+    dev = next(model.parameters()).device
     per_seq, per_seq_len = [], []
     for group in batch.groups:
         rewards = torch.tensor(group.rewards())
@@ -139,21 +141,21 @@ def expected_loss(model, reference, batch: RolloutBatch, g, temperature: float) 
         if g.std_normalize:
             adv = adv / (rewards.std() + 1e-6)
         for s, a in zip(group.samples, adv.tolist()):
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            ids = torch.tensor([s.prompt_ids + s.response_ids], device=dev)
             p, r = len(s.prompt_ids), len(s.response_ids)
-            pos = torch.arange(p - 1, p - 1 + r)
-            target = torch.tensor(s.response_ids)
+            pos = torch.arange(p - 1, p - 1 + r, device=dev)
+            target = torch.tensor(s.response_ids, device=dev)
             logits = model(input_ids=ids).logits[0].float() / temperature
             logp_all = torch.log_softmax(logits, -1)[pos]
-            logp = logp_all[torch.arange(r), target]
+            logp = logp_all[torch.arange(r, device=dev), target]
             old = logp.detach()
-            tis = torch.exp(old - torch.tensor(s.engine_logprobs))
+            tis = torch.exp(old - torch.tensor(s.engine_logprobs, device=dev))
             tis = torch.clamp(tis, max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
             tok = -a * torch.exp(logp - old) * tis  # ratio 1: inside the clip range
             if reference is not None:
                 with torch.no_grad():
                     ref_logits = reference(input_ids=ids).logits[0].float() / temperature
-                ref = torch.log_softmax(ref_logits, -1)[pos][torch.arange(r), target]
+                ref = torch.log_softmax(ref_logits, -1)[pos][torch.arange(r, device=dev), target]
                 d = ref - logp  # log(pi_ref / pi)
                 kl = {"k1": -d, "k2": 0.5 * d**2, "k3": torch.exp(d) - 1 - d}[g.kl_estimator]
                 tok = tok + g.kl_coef * kl

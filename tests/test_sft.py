@@ -88,7 +88,7 @@ def test_loss_is_one_per_token_mean_over_the_global_batch(tiny_tokenizer, tmp_pa
     grad_norm = float(torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())))
     model.zero_grad()
     logits = logits.detach()
-    per_token = float(loss)
+    per_token = float(loss.detach())
     per_example = sum(float(masked_lm_loss(logits[i:i + 1], batch["input_ids"][i:i + 1], batch["loss_mask"][i:i + 1]))
                       for i in range(2)) / 2
     assert abs(per_token - per_example) > 1e-3  # the two rules really differ on this pair

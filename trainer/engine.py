@@ -20,6 +20,28 @@ def free_port() -> int:
 
 _OWNER = "POSTTRAIN_ONE_RANK_GROUP_PID"  # set when this module made up a one-rank group's settings
 
+DETERMINISTIC = "POSTTRAIN_DETERMINISTIC"  # "0": the GPU's faster nondeterministic kernels, no exact resume
+_determinism_set = False
+
+
+def deterministic_gpu() -> None:
+    """On a GPU, ask for deterministic kernels, so that a resumed run matches an uninterrupted one.
+
+    CUDA's default kernels are not run-to-run reproducible (an embedding's backward adds with
+    atomics; cuBLAS picks reductions by workspace): on one H100, two uninterrupted GRPO runs from the
+    same seed ended with different weights, and tests/test_grpo_resume.py failed; with this both
+    held. Strict, not warn-only: with warn_only, SDPA's memory-efficient backward keeps its
+    nondeterministic kernel (and only warns). cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it first
+    starts, so this runs before any GPU work. The CPU's kernels are deterministic already, so there
+    it does nothing. `POSTTRAIN_DETERMINISTIC=0` turns it off: faster, and needed if an op with no
+    deterministic version stops a run (torch's error names the op)."""
+    global _determinism_set
+    if _determinism_set or not torch.cuda.is_available() or os.environ.get(DETERMINISTIC, "1") == "0":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    _determinism_set = True
+
 
 def init_distributed() -> None:
     """Join the launcher's process group, or make a one-rank group for a plain process."""
@@ -43,6 +65,7 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     skip_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deterministic_gpu()
     if torch.cuda.is_available():
         # each rank's own GPU: DeepSpeed places the model there, and NCCL's collectives use it
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -86,6 +109,7 @@ def device() -> torch.device:
     """Where this process computes: its rank's GPU when there is one (the one `init_distributed`
     selected), else the CPU. Batches, evaluated models and collectives' tensors go there."""
     if torch.cuda.is_available():
+        deterministic_gpu()  # before the first GPU work of a process that starts no group (eval)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
