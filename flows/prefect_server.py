@@ -33,8 +33,7 @@ class TemporaryServer:
                "PREFECT__SERVER_FINAL": "1"}
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+                [sys.executable, "-m", "flows.prefect_server", str(os.getpid()), str(self.port), str(self.log)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -114,3 +113,30 @@ def wait(server: TemporaryServer | None) -> None:
     server.wait_healthy(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     print(f"posttrain: temporary Prefect server on {server.api_url} for this command "
           "(set PREFECT_API_URL to run against your own)", file=sys.stderr, flush=True)
+
+
+def serve(parent: int, port: int, log: Path) -> None:
+    """The server process: Prefect's API app under uvicorn, and a thread that stops it once the
+    command that started it is gone. A command stopped by SIGKILL runs no exit handler, and its
+    server would otherwise listen on for good: now it shuts down within a second or two, and
+    removes its log, which nobody is left to read."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    from trainer.procwatch import process_gone
+
+    def watch() -> None:
+        while not process_gone(parent):
+            time.sleep(0.5)
+        log.unlink(missing_ok=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own graceful shutdown
+
+    threading.Thread(target=watch, daemon=True).start()
+    uvicorn.run("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=port,
+                log_level="error", lifespan="on")
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

@@ -49,6 +49,35 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path):
     assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{m.group(1)}-*.log"))
 
 
+def test_the_server_of_a_sigkilled_command_stops_too(tmp_path):
+    """SIGKILL runs no exit handler: the server notices that its command is gone and shuts down."""
+    import signal
+    import tempfile
+    import time
+
+    cmd = [sys.executable, "-m", "flows.cli", "prepare-data", "--preset", "tiny",
+           "--set", f"artifact_root={tmp_path / 'artifacts'}", "--set", "data.synthetic.n_train=200"]
+    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PREFECT_HOME": str(tmp_path / "prefect"),
+                                               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    port = None
+    for line in proc.stderr:  # printed once the server answers
+        m = re.search(r"temporary Prefect server on http://127\.0\.0\.1:(\d+)/api", line)
+        if m:
+            port = int(m.group(1))
+            proc.send_signal(signal.SIGKILL)
+            break
+    assert port is not None and proc.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while listening(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not listening(port), "the server outlived its SIGKILLed command"
+    while list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{port}-*.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{port}-*.log"))
+
+
 def test_a_server_in_the_prefect_profile_is_used_instead(tmp_path):
     home = tmp_path / "prefect"
     home.mkdir()
