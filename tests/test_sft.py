@@ -158,6 +158,36 @@ def test_packed_batches_give_the_padded_loss_and_gradients(kind, tiny_tokenizer)
     assert loss_and_grads(joined)[0] != pytest.approx(want, rel=1e-4)
 
 
+def test_packing_picks_the_row_width_of_fewest_flops(tiny_tokenizer):
+    """Rows as wide as sft.max_length make each token attend (masked) to a whole row of other
+    examples; the width is chosen per batch by FLOPs, weights counted as the model has them."""
+    from trainer.sft import _first_fit, attention_cost, pack_width
+
+    for kind in ("qwen2", "llama", "qwen3"):  # tied head, untied head, a head_dim of its own
+        model = _arch(kind, tiny_tokenizer)
+        n = sum(p.numel() for p in model.parameters())
+        emb = model.get_input_embeddings().weight.numel()
+        linear, per_key = attention_cost(model)
+        assert linear == 2 * (n if kind == "qwen2" else n - emb), kind
+        assert per_key == 4 * 2 * 4 * (16 if kind in ("llama", "qwen2", "qwen3") else 0), kind
+
+    import random
+
+    rng = random.Random(0)  # 64 examples like the tiny preset's with its own tokenizer: 38 tokens on average, at most 59
+    lengths = [rng.randint(17, 59) for _ in range(64)]
+    cost = (1_804_544, 2048)  # the tiny preset's model
+
+    def flops(w):
+        return len(_first_fit(lengths, w)[0]) * w * (cost[0] + cost[1] * w)
+
+    w = pack_width(lengths, 128, cost)
+    candidates = {max(lengths)} | {x for x in range(16, 129, 16) if x >= max(lengths)}
+    assert max(lengths) <= w < 128 and flops(w) == min(flops(x) for x in candidates)
+    assert flops(w) < flops(128)
+    assert pack_width([128, 5, 7], 128, cost) == 128  # an example of max_length: no other width holds it
+    assert pack_width([30] * 10 + [41], 256, (1, 10**6)) == 41  # attention dominating: the narrowest
+
+
 def test_sft_packs_where_it_can_and_pads_elsewhere(tiny_tokenizer, tmp_path, caplog):
     """train_sft through DeepSpeed: packed and padded runs take the same steps to the same loss;
     GPT-2 (no packed-sequence masks verified) is padded, and says so."""
