@@ -109,6 +109,7 @@ def pack_width(lengths: list[int], max_width: int, cost: tuple[int, int]) -> int
     linear, per_key = cost
     longest = max(lengths)
     widths = sorted({min(max_width, w) for w in range(-(-longest // 16) * 16, max_width + 16, 16)} | {longest})
+
     def flops(w: int) -> int:
         rows, _ = _first_fit(lengths, w)
         return len(rows) * w * (linear + per_key * w)
