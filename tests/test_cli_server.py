@@ -16,16 +16,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
+def cli_command(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], dict[str, str], Path]:
+    """A small `posttrain prepare-data` with no Prefect API configured: command, environment, result."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "flows.cli", "prepare-data", "--preset", "tiny", "--json", str(out),
            "--set", f"artifact_root={tmp_path / 'artifacts'}", "--set", "data.synthetic.n_train=200",
            "--set", "data.synthetic.n_test=20"]
     base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    proc = subprocess.run(cmd, cwd=ROOT, env={**base, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                              **env},
-                          capture_output=True, text=True, timeout=300)
-    return proc, out
+    return cmd, {**base, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **env}, out
+
+
+def run_cli(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
+    cmd, full_env, out = cli_command(tmp_path, env)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300), out
 
 
 def listening(port: int) -> bool:
@@ -55,12 +58,8 @@ def test_the_server_of_a_sigkilled_command_stops_too(tmp_path):
     import tempfile
     import time
 
-    cmd = [sys.executable, "-m", "flows.cli", "prepare-data", "--preset", "tiny",
-           "--set", f"artifact_root={tmp_path / 'artifacts'}", "--set", "data.synthetic.n_train=200"]
-    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PREFECT_HOME": str(tmp_path / "prefect"),
-                                               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd, env, _ = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port = None
     for line in proc.stderr:  # printed once the server answers
         m = re.search(r"temporary Prefect server on http://127\.0\.0\.1:(\d+)/api", line)

@@ -161,13 +161,13 @@ def test_packed_batches_give_the_padded_loss_and_gradients(kind, tiny_tokenizer)
 def test_packing_picks_the_row_width_of_fewest_flops(tiny_tokenizer):
     """Rows as wide as sft.max_length make each token attend (masked) to a whole row of other
     examples; the width is chosen per batch by FLOPs, weights counted as the model has them."""
-    from trainer.sft import _first_fit, attention_cost, pack_width
+    from trainer.sft import _first_fit, pack_width, slot_flops
 
     for kind in ("qwen2", "llama", "qwen3"):  # tied head, untied head, a head_dim of its own
         model = _arch(kind, tiny_tokenizer)
         n = sum(p.numel() for p in model.parameters())
         emb = model.get_input_embeddings().weight.numel()
-        linear, per_key = attention_cost(model)
+        linear, per_key = slot_flops(model)
         assert linear == 2 * (n if kind == "qwen2" else n - emb), kind
         assert per_key == 4 * 2 * 4 * (16 if kind in ("llama", "qwen2", "qwen3") else 0), kind
 
