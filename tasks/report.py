@@ -58,8 +58,10 @@ def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> b
 def accuracy_lines(head: dict[str, float]) -> list[str]:
     """Held-out and seen-equation accuracy of SFT, GRPO and the SFT-only control, then the paired
     comparisons on the held-out problems (plain text: the CLI prints it, the summary quotes it)."""
-    rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy"))
-            for label, name in (("SFT", "sft"), ("GRPO", "final"), ("control (SFT only)", "control"))]
+    # with GRPO off the final policy is the SFT one: no GRPO row repeating it
+    names = (("SFT", "sft"), ("GRPO", "final"), ("control (SFT only)", "control"))
+    rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy")) for label, name in names
+            if name != "final" or "grpo_fixed" in head]
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return []

@@ -134,3 +134,13 @@ def test_prefect_artifacts_and_mlflow_plot(nightlies):
     assert "GRPO vs control: fixed" in md and "control (SFT only)" in md
     paths = {a.path for a in MlflowClient().list_artifacts(result["mlflow_run_id"], "plots")}
     assert any(p.startswith("plots/progress") for p in paths), paths
+
+
+def test_accuracy_table_has_no_grpo_row_when_grpo_did_not_run():
+    from tasks.report import accuracy_lines
+
+    sft_only = {"sft_accuracy": 0.55, "sft_seen_accuracy": 0.7, "final_accuracy": 0.55, "final_seen_accuracy": 0.7}
+    lines = accuracy_lines(sft_only)
+    assert [line.split()[0] for line in lines[1:]] == ["SFT"]
+    with_grpo = {**sft_only, "final_accuracy": 0.8, "grpo_fixed": 30, "grpo_broken": 5, "mcnemar_z": 4.2}
+    assert [line.split()[0] for line in accuracy_lines(with_grpo)[1:3]] == ["SFT", "GRPO"]
