@@ -6,7 +6,8 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    workload (issue 14), with KL on (beta 0.04), and on a larger shape. Each session is its own
    process (its peak RSS is its own) and the tools alternate, A B A B, so drift hits both.
    TRL runs at its fastest: `gradient_checkpointing=False` (its default is on, which recomputes
-   the forward; posttrain does not checkpoint activations).
+   the forward; posttrain does not checkpoint activations). Beside each shape: a lower bound from
+   its linear layers' matrix products alone, timed at their own shapes, against issue 14's targets.
 3. SFT: `train_sft` against a plain PyTorch loop (AdamW, the same model, batches and schedule; the
    loop pads each batch). posttrain runs twice: as it trains (`sft.packing`, rows of examples end to
    end, no padding computed) and padded like the loop (what the training loop itself costs).
@@ -64,6 +65,56 @@ def step_gflop(shape: Shape, vocab: int = 84) -> dict[str, float]:
     return {"generation": gen / 1e9, "training": train / 1e9, "total": (gen + train) / 1e9}
 
 
+def linear_floor(shape: Shape, vocab: int = 84, reps: int = 7) -> dict[str, float]:
+    """A lower bound on a step's seconds: its linear layers' matrix products alone, each timed as one
+    torch.mm at its own shape on this machine. Everything else (attention, norms, sampling, the
+    optimizer) counts as free; q/k/v and gate/up may be fused wherever that is faster; a group's
+    samples share one prompt pass (prefill and training) and the log-prob passes skip each
+    sample's last token. A target below it cannot be met here by any arrangement of the same fp32
+    math: only by less arithmetic or another precision."""
+    import torch
+
+    torch.set_num_threads(2)
+    seconds: dict[tuple[int, int, int], float] = {}
+
+    def mm(m: int, k: int, n: int) -> float:
+        if (m, k, n) not in seconds:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            calls = max(1, int(2e6 // (m * k * n // 64 + 1)))  # small products repeated, past the clock
+            a @ b
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    a @ b
+                best = min(best, (time.perf_counter() - t0) / calls)
+            seconds[(m, k, n)] = best
+        return seconds[(m, k, n)]
+
+    h, inter = shape.hidden, shape.intermediate
+    kv = shape.kv_heads * (h // shape.heads)
+    groups = [[(h, h), (h, kv), (h, kv)], [(h, h)], [(h, inter), (h, inter)], [(inter, h)]]  # qkv, o, gate/up, down
+
+    def fastest(m: int, group: list[tuple[int, int]], cost) -> float:
+        fused = (group[0][0], sum(n for _, n in group))
+        return min(cost(m, *fused), sum(cost(m, k, n) for k, n in group))
+
+    def forward(rows: int, head_rows: int) -> float:
+        return shape.layers * sum(fastest(rows, g, mm) for g in groups) + mm(head_rows, h, vocab)
+
+    def grads(m: int, k: int, n: int) -> float:  # the input's and the weight's gradient of (m x k) @ (k x n)
+        return mm(m, n, k) + mm(k, m, n)
+
+    def backward(rows: int, head_rows: int) -> float:
+        return shape.layers * sum(fastest(rows, g, grads) for g in groups) + grads(head_rows, h, vocab)
+
+    n, P, T = shape.batch, PROMPT_TOKENS, shape.new_tokens
+    generation = forward(shape.prompts * P, shape.prompts) + (T - 1) * forward(n, n)
+    rows, head_rows = shape.prompts * P + n * (T - 1), n * T
+    update = forward(rows, head_rows) * (2 if shape.kl else 1) + backward(rows, head_rows)
+    return {"generation": generation, "update": update, "step": generation + update}
+
+
 def session(tool: str, shape: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run([sys.executable, "-m", "tests.bench_ref", "--tool", tool, "--shape", shape],
@@ -87,6 +138,7 @@ def grpo_side_by_side(shapes: list[str], reps: dict[str, int], gflops: float) ->
                 runs[tool].append(r)
         flop = step_gflop(SHAPES[shape])
         floor = flop["total"] / gflops
+        linear = linear_floor(SHAPES[shape])
         agg = {}
         for tool, rs in runs.items():
             agg[tool] = {k: statistics.median(r[k] for r in rs)
@@ -98,6 +150,8 @@ def grpo_side_by_side(shapes: list[str], reps: dict[str, int], gflops: float) ->
                          / t["gen_tokens_per_second"], "update": p["update"] / t["update"],
                          "peak_rss": p["peak_rss_mib"] / t["peak_rss_mib"]}
         agg["gflop_per_step"], agg["floor_seconds"] = flop, floor
+        agg["linear_floor_seconds"] = linear
+        agg["targets_seconds"] = {"step": t["step"] / 2, "generation": t["generate"] / 2.5}  # issue 14's
         results[shape] = agg
     return results
 
@@ -249,6 +303,10 @@ def report(out: dict) -> None:
                 ("floor / step", t["floor_fraction"], p["floor_fraction"], p["floor_fraction"] / t["floor_fraction"])]
         for name, a, b, c in rows:
             print(f"  {name:<20}{a:>12,.3f}{b:>11,.3f}{c:>8.2f}")
+        lin, goal = r["linear_floor_seconds"], r["targets_seconds"]
+        print(f"  linear layers' matmuls alone (a lower bound): generation {lin['generation']:.3f}s, update "
+              f"{lin['update']:.3f}s, step {lin['step']:.3f}s; issue 14's targets: generation "
+              f"<= {goal['generation']:.3f}s (2.5x TRL's tok/s), step <= {goal['step']:.3f}s (half TRL's)")
     s = out["sft"]
     print(f"SFT tokens/s ({s['steps']} steps; tokens are the examples' own, padding not counted):\n"
           f"  plain PyTorch loop (padded)   {s['plain_loop_tokens_per_second']:>8,.0f}\n"
