@@ -58,10 +58,10 @@ def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> b
 def accuracy_lines(head: dict[str, float]) -> list[str]:
     """Held-out and seen-equation accuracy of SFT, GRPO and the SFT-only control, then the paired
     comparisons on the held-out problems (plain text: the CLI prints it, the summary quotes it)."""
-    # with GRPO off the final policy is the SFT one: no GRPO row repeating it
+    grpo_ran = "grpo_fixed" in head  # without GRPO the final policy is the SFT one: no GRPO row repeating it
     names = (("SFT", "sft"), ("GRPO", "final"), ("control (SFT only)", "control"))
     rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy")) for label, name in names
-            if name != "final" or "grpo_fixed" in head]
+            if name != "final" or grpo_ran]
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return []
@@ -69,7 +69,7 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
     for label, held, seen in rows:
         gap = f"{(seen - held) * 100:+.1f}pt" if seen is not None else "-"
         lines.append(f"{label:<20}{held:>10.1%}{(f'{seen:.1%}' if seen is not None else '-'):>10}{gap:>10}")
-    if "grpo_fixed" in head:
+    if grpo_ran:
         lines.append(f"GRPO vs SFT:     fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
                      f"problems, McNemar z = {head['mcnemar_z']:.2f}")
     if "vs_control_fixed" in head:

@@ -49,12 +49,19 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def layer_linears(shape: Shape) -> list[list[tuple[int, int]]]:
+    """One decoder layer's linear weights as (in, out), grouped as a fused kernel could take them:
+    q/k/v, o, gate/up, down."""
+    h, inter = shape.hidden, shape.intermediate
+    kv = shape.kv_heads * (h // shape.heads)
+    return [[(h, h), (h, kv), (h, kv)], [(h, h)], [(h, inter), (h, inter)], [(inter, h)]]
+
+
 def step_gflop(shape: Shape, vocab: int = 84) -> dict[str, float]:
     """FLOPs of one step of the workload: generation (prefill + decode, every sample its own
     prompt) and training (forward + backward = 3 forwards, plus the reference forward with KL)."""
-    h, L, hd = shape.hidden, shape.layers, shape.hidden // shape.heads
-    kv = shape.kv_heads * hd
-    matmul_params = L * (2 * h * h + 2 * h * kv + 3 * h * shape.intermediate) + h * vocab
+    h, L = shape.hidden, shape.layers
+    matmul_params = L * sum(k * n for group in layer_linears(shape) for k, n in group) + h * vocab
 
     def forward(tokens: int, ctx: float) -> float:
         return tokens * (2 * matmul_params + 4 * L * ctx * h)
@@ -91,9 +98,7 @@ def linear_floor(shape: Shape, vocab: int = 84, reps: int = 7) -> dict[str, floa
             seconds[(m, k, n)] = best
         return seconds[(m, k, n)]
 
-    h, inter = shape.hidden, shape.intermediate
-    kv = shape.kv_heads * (h // shape.heads)
-    groups = [[(h, h), (h, kv), (h, kv)], [(h, h)], [(h, inter), (h, inter)], [(inter, h)]]  # qkv, o, gate/up, down
+    h, groups = shape.hidden, layer_linears(shape)
 
     def fastest(m: int, group: list[tuple[int, int]], cost) -> float:
         fused = (group[0][0], sum(n for _, n in group))
