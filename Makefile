@@ -7,7 +7,7 @@ ARGS ?=
 
 .PHONY: setup sglang-env speedrun test test-fast bench serve clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.kernels
 
 # torch first, from its exact pin (the CPU wheel on these machines); deepspeed's sdist imports
 # torch at build time, so it is built without isolation against the torch just installed.
@@ -17,6 +17,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --disable-pip-version-check --no-build-isolation -c constraints.txt deepspeed
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	touch $@
+
+# The fast decoder's C++ step (trainer/csrc), built once per machine into ~/.cache/posttrain/kernels
+# (about 15 s). Without a compiler it is skipped and decoding runs on torch ops (slower, same results).
+$(VENV)/.kernels: $(VENV)/.installed trainer/csrc/decode_layer.cpp trainer/kernels.py
+	$(BIN)/python -m trainer.kernels || echo "posttrain: the decoding kernel did not build; decoding will use torch ops"
 	touch $@
 
 speedrun: setup

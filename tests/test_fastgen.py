@@ -4,6 +4,8 @@ Greedy tokens must be identical to `generate`'s on the same weights and prompts 
 uneven lengths, early EOS), for each architecture it covers: Llama with grouped-query attention,
 Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k norms, its own head_dim). Sampling's log-probabilities must be the
 trainer's (the TIS ratio depends on it), and an optimizer step must reach the next generation.
+Both decoding paths are held to this: the compiled kernel (`trainer/kernels.py`, built here with the
+machine's compiler) and the torch-op path that runs where it cannot be built.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from trainer.fastgen import FastDecoder, sample, unsupported
 from trainer.generate import generate
 from trainer.grpo import pack, token_logprobs
 from trainer.rollout import Sample
+from trainer import kernels
 
 COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -83,8 +86,18 @@ def _hf_greedy(model, tok, prompts, max_new):
     return rows
 
 
+@pytest.fixture(params=["compiled", "torch-ops"])
+def decoder_path(request, monkeypatch):
+    """Each test below runs once through the compiled decoding step and once through torch ops."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "1" if request.param == "compiled" else "0")
+    if request.param == "compiled":
+        assert kernels.decode_layer() is not None, "the decoding kernel did not build: `python -m trainer.kernels -v`"
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_greedy_tokens_identical_to_hf_generate(char_tok, kind):
+def test_greedy_tokens_identical_to_hf_generate(char_tok, kind, decoder_path):
     model = _model(kind, char_tok)
     assert unsupported(model) is None
     prompts = _prompts(char_tok, 48)
@@ -98,7 +111,7 @@ def test_greedy_tokens_identical_to_hf_generate(char_tok, kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
-def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p):
+def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p, decoder_path):
     """Per-token log-probs of sampled tokens against the trainer's full forward (right padding):
     within 1e-4; groups of identical prompts share their prefill."""
     model = _model(kind, char_tok)
@@ -130,6 +143,68 @@ def test_min_new_tokens_holds_back_eos(char_tok):
     assert all(g.token_ids == [char_tok.eos_token_id] for g in free)
     assert all(len(g.token_ids) >= 6 and g.token_ids[-1] == char_tok.eos_token_id for g in held)
     assert all(char_tok.eos_token_id not in g.token_ids[:5] for g in held)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_compiled_step_agrees_with_the_torch_op_step(char_tok, kind, monkeypatch):
+    """The same seed through both paths: the same sampled tokens and log-probs within 1e-4 (the
+    tolerance against the trainer above; the large-weight Qwen2 model differs by ~2e-5), with
+    rows finishing early (the batch compacts) and groups sharing a prefill."""
+    model = _model(kind, char_tok)
+    prompts = [p for p in _prompts(char_tok, 10) for _ in range(3)]
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setattr(kernels, "_state", {})
+        monkeypatch.setenv("POSTTRAIN_KERNELS", flag)
+        runs[flag] = generate(model, char_tok, prompts, 30, temperature=1.0, seed=11)
+    fast, slow = runs["1"], runs["0"]
+    assert [g.token_ids for g in fast] == [g.token_ids for g in slow]
+    assert len({len(g.token_ids) for g in fast}) >= 3
+    diff = max(abs(a - b) for f, s in zip(fast, slow) for a, b in zip(f.logprobs, s.logprobs))
+    assert diff < 1e-4, diff
+
+
+def test_compiled_step_rejects_what_it_cannot_read(char_tok, monkeypatch):
+    """The kernel reads raw float32 memory: anything else is refused by name, not misread."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "1")
+    op = kernels.decode_layer()
+    assert op is not None
+    B, H, hd, T = 2, 8, 4, 6
+    f = lambda *s: torch.zeros(*s)  # noqa: E731
+    args = [f(B, H), f(H), 1e-6, f(H, 4 * hd), None, f(2 * hd, H), None, f(H), 1e-6, f(H, 16), f(8, H), None, 0.0,
+            None, 0.0, f(B, hd), f(B, hd), f(B, 1, T, hd), f(B, 1, T, hd), 2, torch.ones(B, T, dtype=torch.bool),
+            0.5, 2, 1]
+    op(*args)  # well-formed: runs
+    bad = list(args)
+    bad[0] = f(B, H).double()
+    with pytest.raises(RuntimeError, match="h must be a contiguous float32 CPU tensor"):
+        op(*bad)
+    bad = list(args)
+    bad[17] = f(B, 1, hd, T).transpose(2, 3)
+    with pytest.raises(RuntimeError, match="kc must be a contiguous float32"):
+        op(*bad)
+    bad = list(args)
+    bad[19] = T
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        op(*bad)
+
+
+def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monkeypatch, caplog):
+    """A machine that cannot build the kernel (here: a compiler that always fails, and an empty
+    kernel cache) still decodes, through torch ops, and says why once."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "1")
+    monkeypatch.setenv("POSTTRAIN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", "false")
+    model = _model("llama", char_tok)
+    prompts = _prompts(char_tok, 6)
+    with caplog.at_level("WARNING", logger="trainer.kernels"):
+        got = generate(model, char_tok, prompts, 12, logprobs=False)
+        generate(model, char_tok, prompts, 12, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 12)
+    warnings = [r.getMessage() for r in caplog.records if "could not build the compiled kernel" in r.getMessage()]
+    assert len(warnings) == 1, warnings
 
 
 def test_sampling_draws_each_token_at_its_softmax_probability():

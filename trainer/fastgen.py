@@ -12,7 +12,10 @@ decoder runs the same layers with the same weights as plain tensor code:
 - grouped-query attention as SDPA over [B, kv_heads, groups, head_dim] queries (no K/V repeat);
 - finished sequences leave the batch, so a round whose answers end early stops paying for them;
 - sampling by inverse CDF, one uniform number a row (`sample`), and the decoding mask built once a
-  step for every layer.
+  step for every layer;
+- each decoding step's layer as one call of a compiled C++ kernel (`trainer/csrc/decode_layer.cpp`,
+  built by `trainer/kernels.py`): the ~25 small ops between its four matrix products fused into one
+  pass over each row. Where it cannot be built, the same step runs as torch ops (`_block`).
 
 It covers Llama, Mistral (no sliding window), Qwen2 and Qwen3 on CPU; `unsupported()` names why
 any other model falls back to `generate`. The results are the model's own forward up to float
@@ -129,6 +132,7 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.max_positions = cfg.max_position_embeddings
         self.cos = self.sin = None
+        self.kernel = None
 
     # -- weights
     def _pack(self) -> None:
@@ -166,6 +170,14 @@ class FastDecoder:
                 self.cos = cos[0]  # [positions, head_dim]
                 self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # signed: see _rotate
 
+    def _kernel(self):
+        """The compiled decoding step when it applies: float32 weights throughout, and it builds."""
+        if self.embed.dtype != torch.float32 or self.head_dim % 2:
+            return None
+        from trainer.kernels import decode_layer
+
+        return decode_layer()
+
     # -- the forward pass
     def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
                vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
@@ -201,6 +213,19 @@ class FastDecoder:
         gate, up = (x @ L.wgu).chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ L.wd
 
+    def _step_compiled(self, ids: torch.Tensor, positions: torch.Tensor, caches, col: int,
+                       valid: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one new token a row, each layer one call of the compiled kernel
+        (`trainer/kernels.py`); `valid` [B, >col] bool marks the cache columns each row attends."""
+        h = F.embedding(ids, self.embed)  # [B, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, hd]
+        for L, (kc, vc) in zip(self.layers, caches):
+            self.kernel(h, L.ln1[0], L.ln1[1], L.wqkv, L.bqkv, L.wo, L.bo, L.ln2[0], L.ln2[1], L.wgu, L.wd,
+                        L.qn[0] if L.qn else None, L.qn[1] if L.qn else 0.0, L.kn[0] if L.kn else None,
+                        L.kn[1] if L.kn else 0.0, cos, sin, kc, vc, col, valid, self.scaling, self.heads,
+                        self.kv_heads)
+        return _rms(h, *self.norm) @ self.head
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches, start: int,
                  mask: torch.Tensor) -> torch.Tensor:
         """Logits of the last of the S new positions, [B, V]."""
@@ -218,6 +243,7 @@ class FastDecoder:
         """New tokens of each prompt (ending at EOS, which is kept, or at max_new) and their log-probs
         under softmax(logits / T) (greedy: T = 1)."""
         self._pack()
+        self.kernel = self._kernel()
         B = len(prompts)
         width = max(len(p) for p in prompts)
         if width + max_new > self.max_positions:
@@ -279,6 +305,10 @@ class FastDecoder:
                 caches = [(kc[keep], vc[keep]) for kc, vc in caches]
                 finished = [False] * len(keep)
             valid[:, col] = True
+            if self.kernel is not None:
+                logits = self._step_compiled(nxt, next_pos, caches, col, valid)
+                next_pos = next_pos + 1
+                continue
             # additive, shared by every layer and in baddbmm's layout: 0 where a key is visible, -inf where not
             step_mask = torch.zeros((len(live), self.heads, col + 1), dtype=dtype).masked_fill_(
                 ~valid[:, None, : col + 1], float("-inf")).view(len(live) * self.kv_heads, self.groups, col + 1)

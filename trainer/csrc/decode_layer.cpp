@@ -1,0 +1,180 @@
+// One decoding step (one new token a row) of one Llama-family layer on the CPU, float32.
+//
+// The same arithmetic as trainer/fastgen.py's `_block` at S = 1, with everything between the four
+// matrix products done in one pass over each row instead of ~25 separate torch ops (each a dispatch,
+// an allocation and a trip through memory: at batch 64 they cost more than the products). The
+// products themselves stay torch's (MKL / oneDNN). Results agree with `_block` up to float rounding;
+// tests/test_fastgen.py checks that, and greedy tokens identical to HF `generate`'s through it.
+//
+// Built on first use by trainer/kernels.py (torch.utils.cpp_extension), registered as
+// torch.ops.posttrain.decode_layer.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kRowGrain = 8;  // rows a thread takes at least
+
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  Vec acc(0.f);
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w, as F.rms_norm computes it in float32.
+void rms_norm(const float* x, const float* w, double eps, float* out, int64_t n) {
+  float ss = dot(x, x, n);
+  float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+  int64_t i = 0;
+  Vec vinv(inv);
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    (Vec::loadu(x + i) * vinv * Vec::loadu(w + i)).store(out + i);
+  }
+  for (; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// HF's rotate-half rotary on one head vector, in place: x * cos + roll(x, hd / 2) * signed_sin.
+void rotate(float* x, const float* cos, const float* sin, int64_t hd, float* tmp) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) tmp[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < hd; ++i) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  for (int64_t i = 0; i < hd; ++i) x[i] = tmp[i];
+}
+
+void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "decode_layer: ", name, " must be a contiguous float32 CPU tensor");
+}
+
+// h [B, H] is updated in place (the layer's residual stream); q/k/v of the new token are written at
+// column `col` of kc / vc [B, kv_heads, T, hd]; valid [B, T] (bool) says which cache columns a row
+// attends (pads do not); cos / sin [B, hd] are the rows' positions' (sin with rotate-half's sign).
+void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const at::Tensor& wqkv,
+                  const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
+                  const at::Tensor& ln2, double eps2, const at::Tensor& wgu, const at::Tensor& wd,
+                  const std::optional<at::Tensor>& qn, double qn_eps, const std::optional<at::Tensor>& kn,
+                  double kn_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
+                  const at::Tensor& vc, int64_t col, const at::Tensor& valid, double scaling, int64_t heads,
+                  int64_t kv_heads) {
+  for (auto& [t, name] : {std::pair{&h, "h"}, {&ln1, "ln1"}, {&wqkv, "wqkv"}, {&wo, "wo"}, {&ln2, "ln2"},
+                          {&wgu, "wgu"}, {&wd, "wd"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "kc"}, {&vc, "vc"}}) {
+    check(*t, name);
+  }
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "decode_layer: valid must be contiguous bool");
+  const int64_t B = h.size(0), H = h.size(1), hd = kc.size(3), T = kc.size(2);
+  const int64_t groups = heads / kv_heads, I = wgu.size(1) / 2, Tv = valid.size(1);
+  TORCH_CHECK(col < T && col < Tv && kc.size(0) == B && valid.size(0) == B, "decode_layer: shapes disagree");
+
+  // attention half: norm, q/k/v, rotary, cache write, attention over the cache
+  at::Tensor x = at::empty({B, H}, h.options());
+  float* hp = h.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const float* l1 = ln1.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) rms_norm(hp + b * H, l1, eps1, xp + b * H, H);
+  at::Tensor qkv = bqkv.has_value() ? at::addmm(*bqkv, x, wqkv) : at::mm(x, wqkv);
+  const int64_t width = qkv.size(1);
+  float* qp = qkv.data_ptr<float>();
+  float* kcp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const bool* vp = valid.data_ptr<bool>();
+  at::Tensor o = at::empty({B, heads * hd}, h.options());
+  float* op = o.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // rows are independent: torch's thread pool shares them out (its own OpenMP runtime)
+  at::parallel_for(0, B, kRowGrain, [&](int64_t lo, int64_t hi) {
+  std::vector<float> tmp(hd), scores(static_cast<size_t>(groups) * (col + 1));
+  for (int64_t b = lo; b < hi; ++b) {
+    float* row = qp + b * width;
+    if (qn.has_value()) {
+      const float* qw = qn->data_ptr<float>();
+      for (int64_t n = 0; n < heads; ++n) rms_norm(row + n * hd, qw, qn_eps, row + n * hd, hd);
+    }
+    if (kn.has_value()) {
+      const float* kw = kn->data_ptr<float>();
+      for (int64_t n = heads; n < heads + kv_heads; ++n) rms_norm(row + n * hd, kw, kn_eps, row + n * hd, hd);
+    }
+    for (int64_t n = 0; n < heads + kv_heads; ++n) rotate(row + n * hd, cp + b * hd, sp + b * hd, hd, tmp.data());
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      float* K = kcp + ((b * kv_heads + j) * T) * hd;
+      float* V = vcp + ((b * kv_heads + j) * T) * hd;
+      const float* knew = row + (heads + j) * hd;
+      const float* vnew = row + (heads + kv_heads + j) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        K[col * hd + d] = knew[d];
+        V[col * hd + d] = vnew[d];
+      }
+      const bool* vis = vp + b * Tv;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* q = row + (j * groups + g) * hd;
+        float* s = scores.data() + g * (col + 1);
+        float mx = ninf;
+        for (int64_t t = 0; t <= col; ++t) {
+          s[t] = vis[t] ? dot(q, K + t * hd, hd) * scale : ninf;
+          mx = std::max(mx, s[t]);
+        }
+        // softmax over the visible columns (the new token's own column always is)
+        at::vec::map([mx](Vec v) { return (v - Vec(mx)).exp(); }, s, s, col + 1);
+        float total = 0.f;
+        for (int64_t t = 0; t <= col; ++t) total += s[t];
+        float* out = op + b * heads * hd + (j * groups + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t <= col; ++t) {
+          if (s[t] == 0.f) continue;
+          const Vec p(s[t] * inv);
+          const float* v = V + t * hd;
+          int64_t d = 0;
+          for (; d + Vec::size() <= hd; d += Vec::size()) {
+            at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(out + d)).store(out + d);
+          }
+          for (; d < hd; ++d) out[d] += s[t] * inv * v[d];
+        }
+      }
+    }
+  }
+  });
+  at::Tensor attn = bo.has_value() ? at::addmm(*bo, o, wo) : at::mm(o, wo);
+  h.add_(attn);
+
+  // MLP half: norm, gate/up, silu(gate) * up, down
+  const float* l2 = ln2.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) rms_norm(hp + b * H, l2, eps2, xp + b * H, H);
+  at::Tensor gu = at::mm(x, wgu);
+  at::Tensor act = at::empty({B, I}, h.options());
+  float* gp = gu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  at::parallel_for(0, B, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* gate = gp + b * 2 * I;
+      const float* up = gate + I;
+      float* a = ap + b * I;
+      // silu(g) = g / (1 + exp(-g)), as torch's CPU kernel computes it
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, a, gate, up, I);
+    }
+  });
+  h.add_(at::mm(act, wd));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(posttrain, m) {
+  m.def("decode_layer", &decode_layer);
+}
