@@ -148,6 +148,7 @@ def grpo_side_by_side(shapes: list[str], reps: dict[str, int], gflops: float) ->
         for tool, rs in runs.items():
             agg[tool] = {k: statistics.median(r[k] for r in rs)
                          for k in ("step", "generate", "update", "reward", "gen_tokens_per_second", "peak_rss_mib")}
+            agg[tool]["decoder"] = rs[0]["decoder"]
             agg[tool]["floor_fraction"] = floor / agg[tool]["step"]
             agg[tool]["sessions"] = [{k: v for k, v in r.items() if k != "raw"} for r in rs]
         p, t = agg["posttrain"], agg["trl"]
@@ -271,7 +272,7 @@ def main() -> None:
     print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
     shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large"])
     print("GRPO sessions (TRL and posttrain alternating):", flush=True)
-    out["grpo"] = grpo_side_by_side(shapes, {"ref": 2, "ref-kl": 1, "large": 1}, gflops)
+    out["grpo"] = grpo_side_by_side(shapes, {"ref": 3, "ref-kl": 1, "large": 1}, gflops)
     print("SFT against a plain PyTorch loop:", flush=True)
     out["sft"] = sft_against_plain_loop()
     if not a.quick:
@@ -298,7 +299,8 @@ def report(out: dict) -> None:
         t, p, q = r["trl"], r["posttrain"], r["ratios"]
         s = SHAPES[shape]
         print(f"[{shape}] h{s.hidden} x{s.layers}, {s.batch} x {s.new_tokens} tokens, KL {s.kl}: "
-              f"{r['gflop_per_step']['total']:.1f} GFLOP/step, floor {r['floor_seconds']:.3f}s")
+              f"{r['gflop_per_step']['total']:.1f} GFLOP/step, floor {r['floor_seconds']:.3f}s; "
+              f"posttrain decodes with its {p['decoder']}")
         rows = [("step s", t["step"], p["step"], q["step"]),
                 ("generation s", t["generate"], p["generate"], p["generate"] / t["generate"]),
                 ("generation tok/s", t["gen_tokens_per_second"], p["gen_tokens_per_second"],

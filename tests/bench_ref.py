@@ -205,6 +205,9 @@ def run_posttrain(shape: Shape, work: Path) -> dict:
         out["reward"].append(stats["time/reward_seconds"])
         out["update"].append(stats["time/update_seconds"])
         out["tokens"].append(stats["rollout/generated_tokens"])
+    from trainer import kernels
+
+    out["decoder"] = "compiled kernel" if kernels.decode_layer() is not None else "torch ops"
     return out
 
 
@@ -238,8 +241,9 @@ def main() -> None:
     shape = SHAPES[a.shape]
     with tempfile.TemporaryDirectory() as tmp:
         raw = (run_trl if a.tool == "trl" else run_posttrain)(shape, Path(tmp))
-    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, **summarise(raw, shape), "raw": raw})
-                     + "\n")
+    decoder = raw.pop("decoder", "HF generate")
+    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, "decoder": decoder,
+                                            **summarise(raw, shape), "raw": raw}) + "\n")
 
 
 if __name__ == "__main__":
