@@ -10,6 +10,13 @@ machine's compiler) and the torch-op path that runs where it cannot be built.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -205,6 +212,28 @@ def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monke
     assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 12)
     warnings = [r.getMessage() for r in caplog.records if "could not build the compiled kernel" in r.getMessage()]
     assert len(warnings) == 1, warnings
+
+
+def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
+    """A build SIGKILLed while compiling leaves torch's builder lock behind (it would make every
+    later build wait forever); the next build, in a fresh process, goes ahead and completes."""
+    env = {**os.environ, "POSTTRAIN_KERNEL_CACHE": str(tmp_path / "k"), "POSTTRAIN_KERNELS": "1"}
+    cmd = [sys.executable, "-m", "trainer.kernels"]
+    root = Path(__file__).resolve().parent.parent
+    first = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "k").glob("*/lock")):  # torch's builder holds its lock: compiling
+        assert first.poll() is None, "the first build ended before it could be killed"
+        assert time.monotonic() < deadline, "the first build never started compiling"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    os.killpg(first.pid, signal.SIGKILL)  # the compiler too
+    first.wait()
+    assert list((tmp_path / "k").glob("*/lock")) and not list((tmp_path / "k").glob("*/.complete"))
+    second = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "decode kernel:" in second.stdout and list((tmp_path / "k").glob("*/.complete"))
 
 
 def test_sampling_draws_each_token_at_its_softmax_probability():

@@ -73,16 +73,31 @@ def decode_layer():
 
 
 def _load(verbose: bool = False):
+    """Load the built library, building it first if need be. Ranks and runs that start together
+    build it once: they take an flock on the build folder, which the OS releases if its holder dies.
+    torch's builder keeps its own lock file there, which a builder killed mid-build (SIGKILL) leaves
+    behind and every later builder would wait on forever; under the flock no builder is alive, so
+    such a file is stale and removed. `.complete` names the library once a build has loaded."""
+    import fcntl
+
     import torch
     from torch.utils.cpp_extension import load
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(_capability(), [])]
-    # a plain shared library registering the op (no Python module); torch's builder locks the
-    # directory, so ranks and runs that start together build it once
-    load(name="posttrain_decode_layer", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(out),
-         is_python_module=False, verbose=verbose)
+    done = out / ".complete"
+    with open(out / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if done.exists() and (out / done.read_text().strip()).is_file():
+            torch.ops.load_library(str(out / done.read_text().strip()))
+            return torch.ops.posttrain.decode_layer
+        (out / "lock").unlink(missing_ok=True)
+        flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(_capability(), [])]
+        # a plain shared library registering the op (no Python module)
+        load(name="posttrain_decode_layer", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(out),
+             is_python_module=False, verbose=verbose)
+        built = max(out.glob("posttrain_decode_layer*.so"), key=lambda f: f.stat().st_mtime)
+        done.write_text(built.name + "\n")
     return torch.ops.posttrain.decode_layer
 
 
