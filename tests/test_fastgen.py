@@ -171,6 +171,34 @@ def test_compiled_step_agrees_with_the_torch_op_step(char_tok, kind, monkeypatch
     assert diff < 1e-4, diff
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_compiled_step_equals_the_torch_op_step_at_every_cache_fill(char_tok, kind, monkeypatch):
+    """One decoding step, kernel against torch ops, on the same random caches, for every number of
+    filled columns of caches of several widths: the kernel sweeps keys in blocks of vector width, and
+    each fill ends its last block at another place (a fill of exactly four vectors once went unscored)."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "1")
+    dec = FastDecoder(_model(kind, char_tok))
+    dec._pack()
+    kernel = dec._kernel()
+    assert kernel is not None
+    B, hd, worst = 3, dec.head_dim, 0.0
+    for T in (17, 40, 64, 71):
+        for col in range(T):
+            torch.manual_seed(col)
+            caches = [(torch.randn(B, dec.kv_heads, hd, T), torch.randn(B, dec.kv_heads, T, hd)) for _ in dec.layers]
+            valid = torch.zeros(B, T, dtype=torch.bool)
+            valid[:, : col + 1] = True
+            valid[0, : min(3, col)] = False  # a left-padded row
+            ids, pos = torch.tensor([5, 9, 11]), torch.tensor([col, col + 1, col + 2]).clamp(max=dec.max_positions - 1)
+            dec.kernel = kernel
+            fast = dec._step_compiled(ids, pos, [(k.clone(), v.clone()) for k, v in caches], col, valid)
+            mask = torch.zeros(B, dec.heads, col + 1).masked_fill_(~valid[:, None, : col + 1], float("-inf"))
+            slow = dec._forward(ids[:, None], pos[:, None], caches, col, mask.view(B * dec.kv_heads, dec.groups, col + 1))
+            worst = max(worst, float((fast - slow).abs().max() / slow.abs().max()))
+    assert worst < 1e-5, worst
+
+
 def test_compiled_step_rejects_what_it_cannot_read(char_tok, monkeypatch):
     """The kernel reads raw float32 memory: anything else is refused by name, not misread."""
     monkeypatch.setattr(kernels, "_state", {})
@@ -179,22 +207,28 @@ def test_compiled_step_rejects_what_it_cannot_read(char_tok, monkeypatch):
     assert op is not None
     B, H, hd, T = 2, 8, 4, 6
     f = lambda *s: torch.zeros(*s)  # noqa: E731
+    positions = torch.tensor([1, 2])
     args = [f(B, H), f(H), 1e-6, f(H, 4 * hd), None, f(2 * hd, H), None, f(H), 1e-6, f(H, 16), f(8, H), None, 0.0,
-            None, 0.0, f(B, hd), f(B, hd), f(B, 1, T, hd), f(B, 1, T, hd), 2, torch.ones(B, T, dtype=torch.bool),
-            0.5, 2, 1]
+            None, 0.0, f(T, hd), f(T, hd), positions, f(B, 1, hd, T), f(B, 1, T, hd), 2,
+            torch.ones(B, T, dtype=torch.bool), 0.5, 2, 1]
     op(*args)  # well-formed: runs
-    bad = list(args)
-    bad[0] = f(B, H).double()
-    with pytest.raises(RuntimeError, match="h must be a contiguous float32 CPU tensor"):
-        op(*bad)
-    bad = list(args)
-    bad[17] = f(B, 1, hd, T).transpose(2, 3)
-    with pytest.raises(RuntimeError, match="kc must be a contiguous float32"):
-        op(*bad)
-    bad = list(args)
-    bad[19] = T
+    refused = {
+        0: (f(B, H).double(), "h must be a contiguous float32 CPU tensor"),
+        18: (f(B, 1, T, hd).transpose(2, 3), "kc must be a contiguous float32"),
+        20: (T, "shapes disagree"),
+        17: (torch.tensor([1, T]), f"position {T} is past the rotary table"),
+        21: (torch.ones(B, T, dtype=torch.int64), "valid must be contiguous bool"),
+    }
+    for i, (value, message) in refused.items():
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(RuntimeError, match=message):
+            op(*bad)
+    x = torch.randn(3, H)
+    w = torch.randn(H)
+    torch.testing.assert_close(torch.ops.posttrain.rms_norm_rows(x, w, 1e-6), torch.nn.functional.rms_norm(x, (H,), w, 1e-6))
     with pytest.raises(RuntimeError, match="shapes disagree"):
-        op(*bad)
+        torch.ops.posttrain.rms_norm_rows(x, torch.ones(H + 1), 1e-6)
 
 
 def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monkeypatch, caplog):

@@ -4,7 +4,9 @@ HF `generate` on a small model on CPU spends most of each token outside the matm
 object, the attention-mask construction, rotary embeddings recomputed, logits processors. This
 decoder runs the same layers with the same weights as plain tensor code:
 
-- a preallocated KV cache per layer ([B, kv_heads, prompt + max_new, head_dim]), written in place;
+- a preallocated KV cache per layer, written in place: keys transposed ([B, kv_heads, head_dim,
+  prompt + max_new]: a query's scores over the cache are one vector sweep a dimension), values
+  [B, kv_heads, prompt + max_new, head_dim];
 - q/k/v and gate/up projections fused into one matmul each, weights stored transposed (packed
   again at every call: it costs about one decoding step);
 - the samples of one prompt share its prefill;
@@ -181,8 +183,9 @@ class FastDecoder:
     # -- the forward pass
     def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
                vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """h [B, S, H] (S new positions written at cache[start:start+S]); mask: prefill [B, 1, S, start+S]
-        bool, decoding (S = 1) [B * kv_heads, groups, start+1] additive."""
+        """h [B, S, H] (S new positions written at cache columns start:start+S; keys [B, kv, hd, T],
+        values [B, kv, T, hd]); mask: prefill [B, 1, S, start+S] bool, decoding (S = 1)
+        [B * kv_heads, groups, start+1] additive."""
         B, S, _ = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         x = _rms(h, *L.ln1)
@@ -194,18 +197,18 @@ class FastDecoder:
         qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
         q, k = qk[:, :, :nh], qk[:, :, nh:]
         end = start + S
-        kcache[:, :, start:end] = k.transpose(1, 2)
+        kcache[:, :, :, start:end] = k.permute(0, 2, 3, 1)
         vcache[:, :, start:end] = v.transpose(1, 2)
         g = self.groups
         # queries grouped under their KV head: [B, kv, g*S, hd] attend [B, kv, end, hd]
         qg = q.view(B, S, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * S, hd)
         if S == 1:  # one query row per head: plain matmuls beat the SDPA kernel's set-up on CPU
-            scores = torch.baddbmm(mask, qg.reshape(B * nkv, g, hd),
-                                   kcache[:, :, :end].reshape(B * nkv, end, hd).transpose(1, 2), alpha=self.scaling)
+            scores = torch.baddbmm(mask, qg.reshape(B * nkv, g, hd), kcache[..., :end].reshape(B * nkv, hd, end),
+                                   alpha=self.scaling)
             o = (torch.softmax(scores, dim=-1) @ vcache[:, :, :end].reshape(B * nkv, end, hd)).view(B, nkv, g, hd)
         else:
             m = mask if g == 1 else mask.expand(B, 1, S, end).repeat(1, 1, g, 1)
-            o = F.scaled_dot_product_attention(qg, kcache[:, :, :end], vcache[:, :, :end], attn_mask=m,
+            o = F.scaled_dot_product_attention(qg, kcache[..., :end].transpose(2, 3), vcache[:, :, :end], attn_mask=m,
                                                scale=self.scaling)
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
         h = h + _linear(o, L.wo, L.bo)
@@ -218,13 +221,12 @@ class FastDecoder:
         """Logits [B, V] of one new token a row, each layer one call of the compiled kernel
         (`trainer/kernels.py`); `valid` [B, >col] bool marks the cache columns each row attends."""
         h = F.embedding(ids, self.embed)  # [B, H]
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, hd]
         for L, (kc, vc) in zip(self.layers, caches):
             self.kernel(h, L.ln1[0], L.ln1[1], L.wqkv, L.bqkv, L.wo, L.bo, L.ln2[0], L.ln2[1], L.wgu, L.wd,
                         L.qn[0] if L.qn else None, L.qn[1] if L.qn else 0.0, L.kn[0] if L.kn else None,
-                        L.kn[1] if L.kn else 0.0, cos, sin, kc, vc, col, valid, self.scaling, self.heads,
-                        self.kv_heads)
-        return _rms(h, *self.norm) @ self.head
+                        L.kn[1] if L.kn else 0.0, self.cos, self.sin, positions, kc, vc, col, valid, self.scaling,
+                        self.heads, self.kv_heads)
+        return torch.ops.posttrain.rms_norm_rows(h, *self.norm) @ self.head
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches, start: int,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -256,7 +258,7 @@ class FastDecoder:
         rows, inverse = distinct(prompts)
         U = len(rows)
         dtype = self.embed.dtype
-        caches = [(torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype),
+        caches = [(torch.zeros(U, self.kv_heads, self.head_dim, width + max_new, dtype=dtype),
                    torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype)) for _ in self.layers]
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         # a left pad attends to itself only (no all-masked row); real tokens never see a pad

@@ -56,29 +56,120 @@ void rotate(float* x, const float* cos, const float* sin, int64_t hd, float* tmp
   for (int64_t i = 0; i < hd; ++i) x[i] = tmp[i];
 }
 
+// Scores of one query over keys [t0, t0 + NV * W) of a transposed cache KT [hd, T]: s[t] = sum_d q[d] *
+// KT[d, t]. NV vector accumulators stay in registers across the sweep over d (one independent chain
+// each); only the first n_keys - t0 are stored. Loads stop at the row's end T.
+template <int NV>
+void scores_block(const float* q, const float* KT, int64_t T, int64_t hd, int64_t t0, int64_t n_keys, float* s) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NV];
+  int64_t load[NV];
+  bool full = true;
+  for (int v = 0; v < NV; ++v) {
+    acc[v] = Vec(0.f);
+    load[v] = std::min<int64_t>(W, T - (t0 + v * W));
+    full = full && load[v] == W;
+  }
+  const float* k = KT + t0;
+  if (full) {
+    for (int64_t d = 0; d < hd; ++d, k += T) {
+      const Vec qd(q[d]);
+      for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(qd, Vec::loadu(k + v * W), acc[v]);
+    }
+  } else {
+    for (int64_t d = 0; d < hd; ++d, k += T) {
+      const Vec qd(q[d]);
+      for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(qd, Vec::loadu(k + v * W, load[v]), acc[v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = std::min<int64_t>(W, n_keys - (t0 + v * W));
+    if (n == W) {
+      acc[v].store(s + t0 + v * W);
+    } else {
+      acc[v].store(s + t0 + v * W, n);
+    }
+  }
+}
+
+void scores(const float* q, const float* KT, int64_t T, int64_t hd, int64_t n_keys, float* s) {
+  constexpr int64_t W = Vec::size();
+  for (int64_t t0 = 0; t0 < n_keys; t0 += 4 * W) {
+    switch (std::min<int64_t>(4, (n_keys - t0 + W - 1) / W)) {  // vectors left, the last one maybe partial
+      case 4: scores_block<4>(q, KT, T, hd, t0, n_keys, s); break;
+      case 3: scores_block<3>(q, KT, T, hd, t0, n_keys, s); break;
+      case 2: scores_block<2>(q, KT, T, hd, t0, n_keys, s); break;
+      default: scores_block<1>(q, KT, T, hd, t0, n_keys, s); break;
+    }
+  }
+}
+
+// out[d0 : d0 + NV * W] = sum_t p[t] * V[t, d0 : ...] with the NV output vectors held in registers
+// across the sweep over t (V [n_keys, hd] row-major; a zero weight is skipped).
+template <int NV>
+void weighted_rows_block(const float* p, const float* V, int64_t hd, int64_t n_keys, int64_t d0, float* out) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
+  const float* row = V + d0;
+  for (int64_t t = 0; t < n_keys; ++t, row += hd) {
+    if (p[t] == 0.f) continue;
+    const Vec pt(p[t]);
+    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(pt, Vec::loadu(row + v * W), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) acc[v].store(out + d0 + v * W);
+}
+
+void weighted_rows(const float* p, const float* V, int64_t hd, int64_t n_keys, float* out) {
+  constexpr int64_t W = Vec::size();
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= hd; d0 += 4 * W) weighted_rows_block<4>(p, V, hd, n_keys, d0, out);
+  switch ((hd - d0) / W) {
+    case 3: weighted_rows_block<3>(p, V, hd, n_keys, d0, out); d0 += 3 * W; break;
+    case 2: weighted_rows_block<2>(p, V, hd, n_keys, d0, out); d0 += 2 * W; break;
+    case 1: weighted_rows_block<1>(p, V, hd, n_keys, d0, out); d0 += W; break;
+    default: break;
+  }
+  for (; d0 < hd; ++d0) {  // a head_dim that is not a multiple of the vector width
+    float acc = 0.f;
+    for (int64_t t = 0; t < n_keys; ++t) acc += p[t] * V[t * hd + d0];
+    out[d0] = acc;
+  }
+}
+
 void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
               "decode_layer: ", name, " must be a contiguous float32 CPU tensor");
 }
 
-// h [B, H] is updated in place (the layer's residual stream); q/k/v of the new token are written at
-// column `col` of kc / vc [B, kv_heads, T, hd]; valid [B, T] (bool) says which cache columns a row
-// attends (pads do not); cos / sin [B, hd] are the rows' positions' (sin with rotate-half's sign).
+// h [B, H] is updated in place (the layer's residual stream); k/v of the new token are written at
+// column `col` of kc [B, kv_heads, hd, T] (keys stored transposed, so that a query's scores over the
+// cache are one vector sweep a dimension, not a horizontal sum a key) and vc [B, kv_heads, T, hd];
+// valid [B, T] (bool) says which cache columns a row attends (pads do not); cos / sin [positions, hd]
+// are the rotary tables (sin with rotate-half's sign), read at each row's `positions` entry.
 void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const at::Tensor& wqkv,
                   const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
                   const at::Tensor& ln2, double eps2, const at::Tensor& wgu, const at::Tensor& wd,
                   const std::optional<at::Tensor>& qn, double qn_eps, const std::optional<at::Tensor>& kn,
-                  double kn_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
-                  const at::Tensor& vc, int64_t col, const at::Tensor& valid, double scaling, int64_t heads,
-                  int64_t kv_heads) {
+                  double kn_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                  const at::Tensor& kc, const at::Tensor& vc, int64_t col, const at::Tensor& valid, double scaling,
+                  int64_t heads, int64_t kv_heads) {
   for (auto& [t, name] : {std::pair{&h, "h"}, {&ln1, "ln1"}, {&wqkv, "wqkv"}, {&wo, "wo"}, {&ln2, "ln2"},
                           {&wgu, "wgu"}, {&wd, "wd"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "kc"}, {&vc, "vc"}}) {
     check(*t, name);
   }
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "decode_layer: valid must be contiguous bool");
-  const int64_t B = h.size(0), H = h.size(1), hd = kc.size(3), T = kc.size(2);
-  const int64_t groups = heads / kv_heads, I = wgu.size(1) / 2, Tv = valid.size(1);
-  TORCH_CHECK(col < T && col < Tv && kc.size(0) == B && valid.size(0) == B, "decode_layer: shapes disagree");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "decode_layer: positions must be contiguous int64");
+  const int64_t B = h.size(0), H = h.size(1), hd = kc.size(2), T = kc.size(3);
+  const int64_t groups = heads / kv_heads, I = wgu.size(1) / 2, Tv = valid.size(1), P = cos.size(0);
+  TORCH_CHECK(col < T && col < Tv && kc.size(0) == B && valid.size(0) == B && positions.size(0) == B &&
+              vc.size(2) == T && vc.size(3) == hd && cos.size(1) == hd && sin.size(0) == P,
+              "decode_layer: shapes disagree");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "decode_layer: position ", pos[b], " is past the rotary table (", P, ")");
+  }
 
   // attention half: norm, q/k/v, rotary, cache write, attention over the cache
   at::Tensor x = at::empty({B, H}, h.options());
@@ -100,7 +191,7 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
   const float ninf = -std::numeric_limits<float>::infinity();
   // rows are independent: torch's thread pool shares them out (its own OpenMP runtime)
   at::parallel_for(0, B, kRowGrain, [&](int64_t lo, int64_t hi) {
-  std::vector<float> tmp(hd), scores(static_cast<size_t>(groups) * (col + 1));
+  std::vector<float> tmp(hd), probs(static_cast<size_t>(groups) * (col + 1));
   for (int64_t b = lo; b < hi; ++b) {
     float* row = qp + b * width;
     if (qn.has_value()) {
@@ -111,42 +202,36 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
       const float* kw = kn->data_ptr<float>();
       for (int64_t n = heads; n < heads + kv_heads; ++n) rms_norm(row + n * hd, kw, kn_eps, row + n * hd, hd);
     }
-    for (int64_t n = 0; n < heads + kv_heads; ++n) rotate(row + n * hd, cp + b * hd, sp + b * hd, hd, tmp.data());
+    const float* cb = cp + pos[b] * hd;
+    const float* sb = sp + pos[b] * hd;
+    for (int64_t n = 0; n < heads + kv_heads; ++n) rotate(row + n * hd, cb, sb, hd, tmp.data());
+    const bool* vis = vp + b * Tv;
+    const int64_t n_keys = col + 1;
     for (int64_t j = 0; j < kv_heads; ++j) {
-      float* K = kcp + ((b * kv_heads + j) * T) * hd;
-      float* V = vcp + ((b * kv_heads + j) * T) * hd;
+      float* KT = kcp + (b * kv_heads + j) * hd * T;  // [hd, T]
+      float* V = vcp + (b * kv_heads + j) * T * hd;   // [T, hd]
       const float* knew = row + (heads + j) * hd;
       const float* vnew = row + (heads + kv_heads + j) * hd;
       for (int64_t d = 0; d < hd; ++d) {
-        K[col * hd + d] = knew[d];
+        KT[d * T + col] = knew[d];
         V[col * hd + d] = vnew[d];
       }
-      const bool* vis = vp + b * Tv;
       for (int64_t g = 0; g < groups; ++g) {
         const float* q = row + (j * groups + g) * hd;
-        float* s = scores.data() + g * (col + 1);
+        float* s = probs.data() + g * n_keys;
+        scores(q, KT, T, hd, n_keys, s);
         float mx = ninf;
-        for (int64_t t = 0; t <= col; ++t) {
-          s[t] = vis[t] ? dot(q, K + t * hd, hd) * scale : ninf;
+        for (int64_t t = 0; t < n_keys; ++t) {
+          s[t] = vis[t] ? s[t] * scale : ninf;
           mx = std::max(mx, s[t]);
         }
         // softmax over the visible columns (the new token's own column always is)
-        at::vec::map([mx](Vec v) { return (v - Vec(mx)).exp(); }, s, s, col + 1);
+        at::vec::map([mx](Vec v) { return (v - Vec(mx)).exp(); }, s, s, n_keys);
         float total = 0.f;
-        for (int64_t t = 0; t <= col; ++t) total += s[t];
-        float* out = op + b * heads * hd + (j * groups + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
+        for (int64_t t = 0; t < n_keys; ++t) total += s[t];
         const float inv = 1.f / total;
-        for (int64_t t = 0; t <= col; ++t) {
-          if (s[t] == 0.f) continue;
-          const Vec p(s[t] * inv);
-          const float* v = V + t * hd;
-          int64_t d = 0;
-          for (; d + Vec::size() <= hd; d += Vec::size()) {
-            at::vec::fmadd(p, Vec::loadu(v + d), Vec::loadu(out + d)).store(out + d);
-          }
-          for (; d < hd; ++d) out[d] += s[t] * inv * v[d];
-        }
+        for (int64_t t = 0; t < n_keys; ++t) s[t] *= inv;
+        weighted_rows(s, V, hd, n_keys, op + b * heads * hd + (j * groups + g) * hd);
       }
     }
   }
@@ -173,8 +258,22 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
   h.add_(at::mm(act, wd));
 }
 
+// The model's final RMSNorm over each row of x [B, H] (F.rms_norm in float32), in one pass: torch's
+// own decomposes into five ops, as long as a layer's step on a decoding batch.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check(x, "x");
+  check(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm_rows: shapes disagree");
+  at::Tensor out = at::empty_like(x);
+  const int64_t B = x.size(0), H = x.size(1);
+  for (int64_t b = 0; b < B; ++b) rms_norm(x.data_ptr<float>() + b * H, w.data_ptr<float>(), eps,
+                                           out.data_ptr<float>() + b * H, H);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(posttrain, m) {
   m.def("decode_layer", &decode_layer);
+  m.def("rms_norm_rows", &rms_norm_rows);
 }
