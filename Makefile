@@ -19,10 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $@
 
-# The fast decoder's C++ step (trainer/csrc), built once per machine into ~/.cache/posttrain/kernels
-# (about 15 s). Without a compiler it is skipped and decoding runs on torch ops (slower, same results).
-$(VENV)/.kernels: $(VENV)/.installed trainer/csrc/decode_layer.cpp trainer/kernels.py
-	$(BIN)/python -m trainer.kernels || echo "posttrain: the decoding kernel did not build; decoding will use torch ops"
+# The C++ kernels (trainer/csrc: the fast decoder's step, the training forward's fused ops), built once
+# per machine into ~/.cache/posttrain/kernels (about 30 s). Without a compiler they are skipped and
+# decoding and training run on torch ops (slower, same results up to rounding).
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard trainer/csrc/*.cpp) trainer/kernels.py
+	$(BIN)/python -m trainer.kernels || echo "posttrain: the C++ kernels did not build; decoding and training will use torch ops"
 	touch $@
 
 speedrun: setup

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_constant_schedule_with_warmup
 
-from trainer import checkpoint, engine as ds
+from trainer import checkpoint, engine as ds, fasttrain
 from trainer.answers import is_correct
 from trainer.chat import encode_prompt
 from trainer.data import prompt_messages
@@ -99,6 +99,25 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
     return logp, entropy
 
 
+def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                     rids: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
+    """`trainer.fasttrain.prefix_logits` through the model's own forward: the prompts' pass with a KV
+    cache, copied out to the samples, then the responses' pass on it (any model, any device)."""
+    R = rids.shape[1]
+    dev = pids.device
+    out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
+                 use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    first = out.logits[:, -1:][inverse]
+    if R == 1:
+        return first
+    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=dev)[None]
+    resp = module(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
+                  position_ids=positions, past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, resp], 1)
+
+
 def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
                            with_entropy: bool = False, temperature: float = 1.0,
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,10 +125,11 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
 
     The samples of a group share their prompt, and a prompt token never attends to what follows,
     so its hidden states are the same in every sample: the prompts go through the model once
-    (left-padded), their KV cache is copied out to the samples, and the responses run on it. The
-    gradient reaches the prompt pass through the cache, summed over the group's samples: the same
+    (left-padded), their keys and values reach the samples, and the responses run on them. The
+    gradient reaches the prompt pass through them, summed over the group's samples: the same
     loss and gradients as one pass per sample, without the repeated prompt tokens (a third of a
-    GRPO batch's tokens on the reference workload)."""
+    GRPO batch's tokens on the reference workload). Llama-family models on CPU run the passes
+    through `trainer.fasttrain` (fused ops, same results up to rounding), others the model's own."""
     B, W = ids.shape
     plen = prompt_len.tolist()
     rlen = (attn.sum(1) - prompt_len).tolist()
@@ -119,25 +139,15 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     pad = 0  # any id: padded positions are masked out
     dev = ids.device
     pids, pmask = left_pad([prompts[r] for r in rows], pad)
-    pids, pmask = pids.to(dev), pmask.to(dev, attn.dtype)
-    out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
-                 use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_select_indices(inverse)
+    pids, pmask, inverse = pids.to(dev), pmask.to(dev, attn.dtype), inverse.to(dev)
     rids = torch.full((B, R), pad, dtype=ids.dtype, device=dev)
     rmask = torch.zeros((B, R), dtype=attn.dtype, device=dev)
     for i in range(B):
         rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
         rmask[i, : rlen[i]] = 1
-    # Response token j is predicted at the prompt's last position (j = 0) or the response's j - 1:
-    # the response pass runs the first R - 1 tokens (the last one's logits would predict past the end).
-    first = out.logits[:, -1:][inverse]
-    if R > 1:
-        positions = prompt_len[:, None] + torch.arange(R - 1, device=dev)[None]
-        resp = module(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
-                      position_ids=positions, past_key_values=cache, use_cache=True).logits
-        first = torch.cat([first, resp], 1)
-    logits = first.float() / temperature
+    # Response token j is predicted at the prompt's last position (j = 0) or the response's j - 1.
+    passes = fasttrain.prefix_logits if fasttrain.unsupported(module) is None else hf_prefix_logits
+    logits = passes(module, pids, pmask, inverse, rids, rmask).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
     entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
@@ -153,9 +163,11 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
 def response_logprobs(module: torch.nn.Module, part: "PackedBatch", temperature: float,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of a packed batch's response tokens: prompts that several samples
-    share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`)."""
+    share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`); the
+    fused passes of `trainer.fasttrain` always take the shared layout (no padding computed)."""
     plen = part.prompt_len.tolist()
-    if len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen):
+    if (fasttrain.unsupported(module) is None
+            or len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen)):
         return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature)
     return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
 

@@ -1,4 +1,6 @@
-"""The fast decoder's compiled CPU kernel (`trainer/csrc/decode_layer.cpp`), built on first use.
+"""posttrain's compiled CPU kernels, built on first use into one library: the fast decoder's step
+(`trainer/csrc/decode_layer.cpp`) and the training forward's fused elementwise ops
+(`trainer/csrc/train_ops.cpp`, used by `trainer/fasttrain.py`).
 
 It is built with torch's own extension builder against the installed torch, for the CPU's vector
 width as torch itself uses it (AVX-512, AVX2), into a cache outside the clone keyed by the source,
@@ -6,7 +8,8 @@ torch's version and that width: `$POSTTRAIN_KERNEL_CACHE`, else `$XDG_CACHE_HOME
 else `~/.cache/posttrain/kernels`. Fresh clones on one machine reuse it; the first build takes
 about 40 s on 2 cores (`make setup` does it ahead). With no compiler, or `POSTTRAIN_KERNELS=0`, the
 fast decoder runs its torch-op path instead (same results up to float rounding, about half the
-speed on small models); which path runs is logged once.
+speed on small models) and GRPO's log-prob passes run the model's own forward; which path runs is
+logged once.
 
 `python -m trainer.kernels` builds it and says where it is.
 """
@@ -21,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_layer.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_layer.cpp", "train_ops.cpp")]
 ARCH_FLAGS = {  # torch's CPU capability -> the macro and flags its vector headers expect
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
                "-mavx512bw", "-mfma"],
@@ -49,12 +52,18 @@ def build_dir() -> Path:
     import torch
 
     cap = _capability()
-    key = hashlib.sha256(SOURCE.read_bytes() + f"|{torch.__version__}|{cap}|{sys.version_info[:2]}".encode())
-    return cache_root() / f"decode_layer-{cap.lower()}-{key.hexdigest()[:12]}"
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)
+                         + f"|{torch.__version__}|{cap}|{sys.version_info[:2]}".encode())
+    return cache_root() / f"kernels-{cap.lower()}-{key.hexdigest()[:12]}"
 
 
 def decode_layer():
     """torch.ops.posttrain.decode_layer, built if need be; None when it cannot be (the reason is logged once)."""
+    return ops() and ops().decode_layer
+
+
+def ops():
+    """The namespace torch.ops.posttrain with every kernel, built if need be; None when it cannot be."""
     if "op" in _state:
         return _state["op"]
     op = None
@@ -63,10 +72,11 @@ def decode_layer():
     else:
         try:
             op = _load()
-            log.info("fast decoder: compiled kernel from %s", build_dir())
+            log.info("compiled kernels from %s", build_dir())
         except Exception as e:  # no compiler, no headers, a failed build: the torch-op path still works
-            log.warning("fast decoder: could not build the compiled kernel (%s); using the torch-op path, "
-                        "about half the speed on small models. `python -m trainer.kernels` shows the build log.",
+            log.warning("could not build the compiled kernels (%s): the fast decoder uses its torch-op path, "
+                        "about half the speed on small models, and GRPO the model's own forward. "
+                        "`python -m trainer.kernels` shows the build log.",
                         str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     _state["op"] = op
     return op
@@ -90,15 +100,15 @@ def _load(verbose: bool = False):
         fcntl.flock(held, fcntl.LOCK_EX)
         if done.exists() and (out / done.read_text().strip()).is_file():
             torch.ops.load_library(str(out / done.read_text().strip()))
-            return torch.ops.posttrain.decode_layer
+            return torch.ops.posttrain
         (out / "lock").unlink(missing_ok=True)
         flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(_capability(), [])]
         # a plain shared library registering the op (no Python module)
-        load(name="posttrain_decode_layer", sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(out),
+        load(name="posttrain_kernels", sources=[str(f) for f in SOURCES], extra_cflags=flags, build_directory=str(out),
              is_python_module=False, verbose=verbose)
-        built = max(out.glob("posttrain_decode_layer*.so"), key=lambda f: f.stat().st_mtime)
+        built = max(out.glob("posttrain_kernels*.so"), key=lambda f: f.stat().st_mtime)
         done.write_text(built.name + "\n")
-    return torch.ops.posttrain.decode_layer
+    return torch.ops.posttrain
 
 
 def main() -> None:
@@ -107,7 +117,7 @@ def main() -> None:
         print("POSTTRAIN_KERNELS=0: the compiled kernel is off")
         return
     _load(verbose="-v" in sys.argv)
-    print(f"decode kernel: {build_dir()}")
+    print(f"kernels: {build_dir()}")
 
 
 if __name__ == "__main__":

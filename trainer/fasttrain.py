@@ -1,0 +1,182 @@
+"""GRPO's log-prob passes for Llama-family models on CPU, without the model's per-op machinery.
+
+The update's forward and backward on a small model spend as long around the matrix products as in
+them: HF's layer runs RMSNorm, rotary and SwiGLU as 3 to 10 torch ops each, forward and backward,
+every one a trip through memory. Here the same layer runs on the model's own parameters with
+
+- q/k/v and gate/up each one matrix product (the weights concatenated at every call: gradients
+  reach the parameters through the concatenation);
+- RMSNorm, rotary and SwiGLU each one pass forward and one backward, compiled
+  (`trainer/csrc/train_ops.cpp`, wrapped below as autograd Functions);
+- attention as torch's SDPA on the same masks as the model's, GQA by repeating K/V as HF does.
+
+`prefix_logits` is the shared-prompt layout of `trainer.grpo.shared_prefix_logprobs`: distinct
+prompts run once, their K/V reach each sample's response pass, and gradients flow back through
+them. Results are the model's own forward up to float rounding: `tests/test_fasttrain.py` holds the
+log-probs, the loss and every parameter's gradient to the HF path's. `unsupported()` names why a
+model falls back to that path (another architecture, a GPU, q/k norms, dropout, no compiler).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.fastgen import unsupported as decoder_unsupported
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why these passes cannot run `model` (None when they can)."""
+    reason = decoder_unsupported(model)
+    if reason is not None:
+        return reason
+    cfg = model.config
+    first = model.model.layers[0]
+    if getattr(first.self_attn, "q_norm", None) is not None:
+        return "q/k norms (Qwen3)"
+    if getattr(cfg, "attention_dropout", 0.0) and model.training:
+        return "attention dropout"
+    if next(model.parameters()).dtype != torch.float32:
+        return "weights are not float32"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    from trainer.kernels import ops
+
+    if ops() is None:
+        return "the compiled kernels did not build"
+    return None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        y, rstd = torch.ops.posttrain.rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.posttrain.rms_norm_bwd(dy.contiguous(), x, weight, rstd)
+        return dx, dw, None
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotate the first `rotated` heads of each row (q and k; v passes through)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int, hd: int) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.rotated, ctx.hd = rotated, hd
+        return torch.ops.posttrain.rotary(qkv, cos, sin, rotated, hd, False)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return torch.ops.posttrain.rotary(dy.contiguous(), cos, sin, ctx.rotated, ctx.hd, True), None, None, None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gu)
+        return torch.ops.posttrain.swiglu_fwd(gu)
+
+    @staticmethod
+    def backward(ctx, dact: torch.Tensor):
+        (gu,) = ctx.saved_tensors
+        return torch.ops.posttrain.swiglu_bwd(dact.contiguous(), gu)
+
+
+def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+    return None if any(t is None for t in ts) else torch.cat(ts)
+
+
+def _rotary_tables(inner: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and rotate-half-signed sin at each row's position, [rows, head_dim] (the model's own rotary module)."""
+    cos, sin = inner.rotary_emb(h, position_ids=positions)
+    half = cos.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos.reshape(-1, cos.shape[-1]).contiguous(), signed.reshape(-1, cos.shape[-1]).contiguous()
+
+
+def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+           heads: int, kv_heads: int, hd: int, past: tuple[torch.Tensor, torch.Tensor] | None = None,
+           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One decoder layer on h [B, S, H]; mask [B, 1, S, keys] bool. With `past` ([B, kv, P, hd] keys and
+    values before these positions) attention also reads them. Returns h and this call's own K/V."""
+    B, S, H = h.shape
+    a, m = block.self_attn, block.mlp
+    ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
+    x = _RMSNorm.apply(h.reshape(B * S, H), ln1.weight, ln1.variance_epsilon)
+    qkv = F.linear(x, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                   _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+    qkv = _Rotary.apply(qkv, cos, sin, heads + kv_heads, hd)
+    q, k, v = qkv.view(B, S, heads + 2 * kv_heads, hd).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+    own = (k, v)
+    if past is not None:
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    groups = heads // kv_heads
+    if groups > 1:  # HF's repeat_kv
+        T = k.shape[2]
+        k = k[:, :, None].expand(B, kv_heads, groups, T, hd).reshape(B, heads, T, hd)
+        v = v[:, :, None].expand(B, kv_heads, groups, T, hd).reshape(B, heads, T, hd)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
+    o = o.transpose(1, 2).reshape(B * S, heads * hd)
+    h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias).view(B, S, H)
+    x = _RMSNorm.apply(h.reshape(B * S, H), ln2.weight, ln2.variance_epsilon)
+    gu = F.linear(x, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+    h = h + F.linear(_SwiGLU.apply(gu), m.down_proj.weight).view(B, S, H)
+    return h, own
+
+
+def _logits(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    inner = model.model
+    B, S, H = h.shape
+    x = _RMSNorm.apply(h.reshape(B * S, H), inner.norm.weight, inner.norm.variance_epsilon)
+    head = model.get_output_embeddings()
+    return F.linear(x, head.weight, getattr(head, "bias", None)).view(B, S, -1)
+
+
+def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                  rids: torch.Tensor, rmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits predicting each response token, [B, R, V]: distinct prompts pids [U, P] (left-padded,
+    pmask 1 on real tokens) run once; sample i continues prompt inverse[i] with response rids[i]
+    (right-padded; position j's logits come from the prompt's last token for j = 0, else from
+    response token j - 1, so the last response token is not run). The responses' pads (rmask 0)
+    need no mask: they come after every real token, which attends causally."""
+    inner = model.model
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    embed = inner.embed_tokens
+    U, P = pids.shape
+    B, R = rids.shape
+    dev = pids.device
+    valid = pmask.bool()
+    positions = (pmask.cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+    # a left pad attends to itself only (no all-masked row); real tokens never see a pad
+    mask = ((causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev))[:, None]
+    h = F.embedding(pids, embed.weight, embed.padding_idx)
+    cos, sin = _rotary_tables(inner, h, positions)
+    cached = []
+    for block in inner.layers:
+        h, kv = _layer(block, h, cos, sin, mask, heads, kv_heads, hd)
+        cached.append(kv)
+    first = _logits(model, h[:, -1:])[inverse]
+    if R == 1:
+        return first
+    S = R - 1
+    # each sample's response attends to its prompt's real tokens and causally to itself (its pads
+    # come after its last real token, so no real token sees them)
+    rmask = torch.cat([valid[inverse][:, None, :].expand(B, S, P),
+                       torch.ones(S, S, dtype=torch.bool, device=dev).tril().expand(B, S, S)], dim=-1)[:, None]
+    rpos = pmask.sum(1)[inverse][:, None] + torch.arange(S, device=dev)[None]
+    h = F.embedding(rids[:, :-1], embed.weight, embed.padding_idx)
+    cos, sin = _rotary_tables(inner, h, rpos)
+    for block, (k, v) in zip(inner.layers, cached):
+        h, _ = _layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=(k[inverse], v[inverse]))
+    return torch.cat([first, _logits(model, h)], dim=1)
