@@ -139,9 +139,42 @@ def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip:
     }
 
 
+MALLOC_TUNING = "POSTTRAIN_MALLOC_TUNING"  # "0": leave glibc's allocator as it is
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc malloc.h)
+_malloc_tuned = False
+
+
+def retain_freed_memory() -> bool:
+    """Keep glibc from handing freed training buffers back to the OS between steps.
+
+    A training step allocates and frees the same few-megabyte activations and gradients every time.
+    glibc serves blocks above its mmap threshold with fresh mappings and trims the heap's free top
+    back to the OS, so every step faults those pages in again, each zero-filled: about 5,500 page
+    faults an update on the reference workload, at 2.4 us each in a VM here (13 ms of a 140 ms
+    update). With the mmap threshold at 64 MiB and the trim threshold at 1 GiB, freed blocks are
+    reused instead (under 1,000 faults an update). Peak memory is unchanged; memory once used stays
+    with the process, up to 1 GiB more free heap than glibc would keep. No effect off glibc or
+    with POSTTRAIN_MALLOC_TUNING=0. Returns whether the setting took."""
+    global _malloc_tuned
+    if _malloc_tuned or os.environ.get(MALLOC_TUNING, "1") == "0":
+        return _malloc_tuned
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, 64 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return _malloc_tuned
+
+
 def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, Any]):
     import deepspeed
 
+    retain_freed_memory()
     init_distributed()
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config

@@ -227,7 +227,9 @@ class GRPOTrainer:
         if g.kl_coef > 0:  # the reference is loaded only when the KL term is on
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         steps_per_round = g.mini_batches * g.epochs
-        optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        # fused: AdamW's ~10 elementwise passes over the weights in one (torch's CPU and CUDA kernels)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99),
+                                      fused=next(model.parameters()).device.type in ("cpu", "cuda"))
         scheduler = get_constant_schedule_with_warmup(optimizer, g.warmup_rounds * steps_per_round)
         self.ds = ds.initialize(model, optimizer, scheduler,
                                 ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
