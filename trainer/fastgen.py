@@ -186,15 +186,22 @@ class FastDecoder:
         """h [B, S, H] (S new positions written at cache columns start:start+S; keys [B, kv, hd, T],
         values [B, kv, T, hd]); mask: prefill [B, 1, S, start+S] bool, decoding (S = 1)
         [B * kv_heads, groups, start+1] additive."""
-        B, S, _ = h.shape
+        B, S, H = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        x = _rms(h, *L.ln1)
+        # with the compiled kernels (the prefill of the compiled path), norms, rotary and SwiGLU are one
+        # compiled pass each (`trainer/csrc/train_ops.cpp`), as the decoding steps' are
+        ops = torch.ops.posttrain if self.kernel is not None else None
+        x = _rms(h, *L.ln1) if ops is None else ops.rms_norm_rows(h.reshape(B * S, H), *L.ln1).view(B, S, H)
         qkv = _linear(x, L.wqkv, L.bqkv)
+        if ops is not None and L.qn is None:
+            qkv = ops.rotary(qkv.view(B * S, -1), cos.reshape(B * S, hd), sin.reshape(B * S, hd), nh + nkv, hd,
+                             False).view(B, S, -1)
         qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
         qk, v = qk.view(B, S, nh + nkv, hd), v.view(B, S, nkv, hd)
-        if L.qn is not None:
-            qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
-        qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
+        if ops is None or L.qn is not None:
+            if L.qn is not None:
+                qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
+            qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
         q, k = qk[:, :, :nh], qk[:, :, nh:]
         end = start + S
         kcache[:, :, :, start:end] = k.permute(0, 2, 3, 1)
@@ -212,6 +219,9 @@ class FastDecoder:
                                                scale=self.scaling)
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
         h = h + _linear(o, L.wo, L.bo)
+        if ops is not None:
+            x = ops.rms_norm_rows(h.reshape(B * S, H), *L.ln2)
+            return h + (ops.swiglu_fwd(x @ L.wgu) @ L.wd).view(B, S, H)
         x = _rms(h, *L.ln2)
         gate, up = (x @ L.wgu).chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ L.wd
