@@ -8,7 +8,8 @@ every one a trip through memory. Here the same layer runs on the model's own par
   reach the parameters through the concatenation);
 - RMSNorm, rotary and SwiGLU each one pass forward and one backward, compiled
   (`trainer/csrc/train_ops.cpp`, wrapped below as autograd Functions);
-- attention as torch's SDPA on the same masks as the model's, GQA by repeating K/V as HF does.
+- attention as torch's SDPA on the same masks as the model's, query heads reading their shared KV
+  head in place (`enable_gqa`) rather than from repeated copies.
 
 `prefix_logits` is the shared-prompt layout of `trainer.grpo.shared_prefix_logprobs`: distinct
 prompts run once, their K/V reach each sample's response pass, and gradients flow back through
@@ -117,12 +118,8 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     own = (k, v)
     if past is not None:
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-    groups = heads // kv_heads
-    if groups > 1:  # HF's repeat_kv
-        T = k.shape[2]
-        k = k[:, :, None].expand(B, kv_heads, groups, T, hd).reshape(B, heads, T, hd)
-        v = v[:, :, None].expand(B, kv_heads, groups, T, hd).reshape(B, heads, T, hd)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
+    # query heads share their KV head inside the kernel (HF repeats K/V into copies, and sums their gradients)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, enable_gqa=heads != kv_heads)
     o = o.transpose(1, 2).reshape(B * S, heads * hd)
     h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias).view(B, S, H)
     x = _RMSNorm.apply(h.reshape(B * S, H), ln2.weight, ln2.variance_epsilon)
