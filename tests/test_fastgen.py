@@ -288,6 +288,37 @@ def test_sampling_draws_each_token_at_its_softmax_probability():
     assert sample(edge.repeat(1000, 1)).view(1000, 2).tolist() == [[2, 0]] * 1000
 
 
+@pytest.mark.parametrize("temperature, block_eos", [(1.0, False), (0.7, True)])
+def test_the_compiled_sampler_draws_what_the_torch_op_sampler_draws(monkeypatch, temperature, block_eos):
+    """The compiled path's one-op sampling step against `sample` on the same uniform draws: the same
+    tokens, EOS never drawn while held back, and log-probs of the unmasked tempered softmax."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("POSTTRAIN_KERNELS", "1")
+    assert kernels.ops() is not None
+    torch.manual_seed(4)
+    logits = torch.randn(4000, 84) * 3
+    eos = int(logits[:, 5].argmax()) % 84  # any id; row maxima make it likely
+    logits[:, eos] += 4.0  # EOS often the likeliest token: holding it back must show
+    torch.manual_seed(9)
+    u = torch.rand((logits.shape[0],), dtype=torch.float64)
+    got, got_lp = torch.ops.posttrain.sample_rows(logits, temperature, eos, block_eos, u)
+    scores = logits / temperature
+    want_lp_all = torch.log_softmax(scores, -1)
+    if block_eos:
+        scores[:, eos] = float("-inf")
+    torch.manual_seed(9)
+    want = sample(scores)
+    assert torch.equal(got, want)
+    assert (int((got == eos).sum()) == 0) if block_eos else (int((got == eos).sum()) > 100)
+    torch.testing.assert_close(got_lp, want_lp_all.gather(1, want[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        torch.ops.posttrain.sample_rows(logits, 0.0, eos, False, u)
+    with pytest.raises(RuntimeError, match="u must be contiguous float64"):
+        torch.ops.posttrain.sample_rows(logits, 1.0, eos, False, u.float())
+    with pytest.raises(RuntimeError, match="eos 84 is outside the vocabulary"):
+        torch.ops.posttrain.sample_rows(logits, 1.0, 84, False, u)
+
+
 def test_an_optimizer_step_reaches_the_next_generation(char_tok):
     """The packed weights follow in-place updates (the trainer's AdamW) and whole-tensor swaps (a resume)."""
     model = _model("llama", char_tok)

@@ -247,6 +247,29 @@ class FastDecoder:
             h = self._block(L, h, cos, sin, kc, vc, start, mask)
         return _rms(h[:, -1], *self.norm) @ self.head
 
+    @staticmethod
+    def _sample_step(logits: torch.Tensor, t: int, eos: int, temperature: float, top_p: float, min_new: int,
+                     logprobs: bool) -> tuple[torch.Tensor, list[int], list[float] | None]:
+        """Step t's tokens (sampled, or greedy at temperature 0) and their log-probs, as torch ops."""
+        scores = logits.float()
+        if temperature > 0:
+            scores = scores / temperature
+        lp_all = torch.log_softmax(scores, dim=-1) if logprobs else None
+        if t < min_new:
+            scores[:, eos] = float("-inf")
+        if temperature > 0:
+            if top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is at most 1 - top_p
+                sorted_scores, order = torch.sort(scores, descending=False)
+                drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+                drop[:, -1] = False
+                scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+            nxt = sample(scores)
+        else:
+            nxt = scores.argmax(-1)
+        toks = nxt.tolist()
+        lps = lp_all.gather(1, nxt[:, None]).squeeze(1).tolist() if lp_all is not None else None
+        return nxt, toks, lps
+
     # -- decoding
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
@@ -282,24 +305,17 @@ class FastDecoder:
         live = torch.arange(B)  # rows of the original batch still in the cache, in cache order
         finished = [False] * B     # per cache row: EOS already sampled (it decodes on until compaction)
         next_pos = positions[:, -1] + 1
+        # the compiled path samples in one op a step (no top-p: its sort stays in torch ops)
+        fused_sampling = self.kernel is not None and temperature > 0 and top_p >= 1.0 and dtype == torch.float32
         for t in range(max_new):
-            scores = logits.float()
-            if temperature > 0:
-                scores = scores / temperature
-            lp_all = torch.log_softmax(scores, dim=-1) if logprobs else None
-            if t < min_new:
-                scores[:, eos] = float("-inf")
-            if temperature > 0:
-                if top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is at most 1 - top_p
-                    sorted_scores, order = torch.sort(scores, descending=False)
-                    drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-                    drop[:, -1] = False
-                    scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-                nxt = sample(scores)
+            if fused_sampling:
+                # the same uniform draws as `sample`'s, from the same generator
+                u = torch.rand((logits.shape[0],), dtype=torch.float64)
+                nxt, lp_next = torch.ops.posttrain.sample_rows(logits.contiguous(), temperature, eos, t < min_new, u)
+                toks = nxt.tolist()
+                lps = lp_next.tolist() if logprobs else None
             else:
-                nxt = scores.argmax(-1)
-            toks = nxt.tolist()
-            lps = lp_all.gather(1, nxt[:, None]).squeeze(1).tolist() if lp_all is not None else None
+                nxt, toks, lps = self._sample_step(logits, t, eos, temperature, top_p, min_new, logprobs)
             for j, row in enumerate(live.tolist()):
                 if finished[j]:
                     continue
