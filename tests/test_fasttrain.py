@@ -9,6 +9,8 @@ is also held to torch's own computation, forward and backward, and refuses what 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +163,27 @@ def test_the_ops_refuse_what_they_cannot_read():
         ops.swiglu_fwd(torch.randn(4, 7))
     with pytest.raises(RuntimeError, match="swiglu_bwd: shapes disagree"):
         ops.swiglu_bwd(torch.randn(4, 3), x)
+
+
+def test_zero3_partitioned_weights_run_through_the_models_own_forward(tmp_path):
+    """ZeRO-3 keeps every weight partitioned outside the modules' own forward hooks: the fused passes
+    and the fast decoder, which read weights directly, step aside (one rank on CPU once crashed in the
+    decoder on an empty embedding), and a round runs through the model's forward and HF generate."""
+    from tests.bench_ref import SHAPES, model, posttrain_config, problems, tokenizer
+    from trainer.fastgen import unsupported as decoder_unsupported
+    from trainer.grpo import GRPOTrainer
+
+    shape = SHAPES["ref"]
+    tok = tokenizer(tmp_path / "tok")
+    rows = [{"id": r["id"], "answer": r["answer"],
+             "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": ""}]}
+            for r in problems(16)]
+    cfg = posttrain_config(shape)
+    cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={
+        "deepspeed": cfg.grpo.deepspeed.model_copy(update={"zero_stage": 3})})})
+    trainer = GRPOTrainer(cfg, model(shape, tok), tok, rows, rows[:4], tmp_path / "grpo")
+    module = trainer.ds.module
+    assert fasttrain.unsupported(module) == decoder_unsupported(module) == "DeepSpeed ZeRO-3 partitions the weights"
+    stats = trainer.update(trainer.score(trainer.rollout()))
+    assert stats["rollout/generated_tokens"] == shape.batch * shape.new_tokens
+    assert stats["update/optimizer_steps"] == 1 and math.isfinite(stats["update/loss"])

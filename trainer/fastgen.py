@@ -43,6 +43,9 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"model_type {kind!r} is not one of {sorted(SUPPORTED)}"
     if next(model.parameters()).device.type != "cpu":
         return "the model is not on the CPU (the fast path is verified on CPU only)"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        # ZeRO-3 keeps each weight partitioned, gathered only inside the modules' own forward hooks
+        return "DeepSpeed ZeRO-3 partitions the weights"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "mlp_bias", False):
