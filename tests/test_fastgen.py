@@ -226,9 +226,9 @@ def test_compiled_step_rejects_what_it_cannot_read(char_tok, monkeypatch):
             op(*bad)
     x = torch.randn(3, H)
     w = torch.randn(H)
-    torch.testing.assert_close(torch.ops.posttrain.rms_norm_rows(x, w, 1e-6), torch.nn.functional.rms_norm(x, (H,), w, 1e-6))
+    torch.testing.assert_close(torch.ops.posttrain.rms_norm_fwd(x, w, 1e-6)[0], torch.nn.functional.rms_norm(x, (H,), w, 1e-6))
     with pytest.raises(RuntimeError, match="shapes disagree"):
-        torch.ops.posttrain.rms_norm_rows(x, torch.ones(H + 1), 1e-6)
+        torch.ops.posttrain.rms_norm_fwd(x, torch.ones(H + 1), 1e-6)
 
 
 def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monkeypatch, caplog):

@@ -97,6 +97,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """cat(-sin1, sin2) over the last dimension: rotate-half's sign folded into the sine (see `_rotate`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's rotate-half rotary, x * cos + cat(-x2, x1) * sin, with the sign folded into the sine
     (`signed_sin` = cat(-sin1, sin2)): the products are the same floats, one negation fewer."""
@@ -171,9 +177,8 @@ class FastDecoder:
             if self.cos is None:
                 pos = torch.arange(self.max_positions)[None]
                 cos, sin = inner.rotary_emb(self.embed[None, :1], position_ids=pos)
-                half = self.head_dim // 2
                 self.cos = cos[0]  # [positions, head_dim]
-                self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # signed: see _rotate
+                self.sin = signed_sin(sin[0])
 
     def _kernel(self):
         """The compiled decoding step when it applies: float32 weights throughout, and it builds."""
@@ -194,16 +199,17 @@ class FastDecoder:
         # with the compiled kernels (the prefill of the compiled path), norms, rotary and SwiGLU are one
         # compiled pass each (`trainer/csrc/train_ops.cpp`), as the decoding steps' are
         ops = torch.ops.posttrain if self.kernel is not None else None
-        x = _rms(h, *L.ln1) if ops is None else ops.rms_norm_rows(h.reshape(B * S, H), *L.ln1).view(B, S, H)
+        x = _rms(h, *L.ln1) if ops is None else ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln1)[0].view(B, S, H)
         qkv = _linear(x, L.wqkv, L.bqkv)
-        if ops is not None and L.qn is None:
+        fused_rotary = ops is not None and L.qn is None  # q/k norms come between the product and rotary
+        if fused_rotary:
             qkv = ops.rotary(qkv.view(B * S, -1), cos.reshape(B * S, hd), sin.reshape(B * S, hd), nh + nkv, hd,
                              False).view(B, S, -1)
         qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
         qk, v = qk.view(B, S, nh + nkv, hd), v.view(B, S, nkv, hd)
-        if ops is None or L.qn is not None:
-            if L.qn is not None:
-                qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
+        if L.qn is not None:
+            qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
+        if not fused_rotary:
             qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
         q, k = qk[:, :, :nh], qk[:, :, nh:]
         end = start + S
@@ -223,7 +229,7 @@ class FastDecoder:
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
         h = h + _linear(o, L.wo, L.bo)
         if ops is not None:
-            x = ops.rms_norm_rows(h.reshape(B * S, H), *L.ln2)
+            x = ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln2)[0]
             return h + (ops.swiglu_fwd(x @ L.wgu) @ L.wd).view(B, S, H)
         x = _rms(h, *L.ln2)
         gate, up = (x @ L.wgu).chunk(2, dim=-1)
@@ -239,7 +245,7 @@ class FastDecoder:
                         L.qn[0] if L.qn else None, L.qn[1] if L.qn else 0.0, L.kn[0] if L.kn else None,
                         L.kn[1] if L.kn else 0.0, self.cos, self.sin, positions, kc, vc, col, valid, self.scaling,
                         self.heads, self.kv_heads)
-        return torch.ops.posttrain.rms_norm_rows(h, *self.norm) @ self.head
+        return torch.ops.posttrain.rms_norm_fwd(h, *self.norm)[0] @ self.head
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches, start: int,
                  mask: torch.Tensor) -> torch.Tensor:

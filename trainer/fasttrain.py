@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.fastgen import unsupported as decoder_unsupported
+from trainer.fastgen import signed_sin, unsupported as decoder_unsupported
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -97,9 +97,7 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
 def _rotary_tables(inner: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and rotate-half-signed sin at each row's position, [rows, head_dim] (the model's own rotary module)."""
     cos, sin = inner.rotary_emb(h, position_ids=positions)
-    half = cos.shape[-1] // 2
-    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return cos.reshape(-1, cos.shape[-1]).contiguous(), signed.reshape(-1, cos.shape[-1]).contiguous()
+    return cos.reshape(-1, cos.shape[-1]).contiguous(), signed_sin(sin).reshape(-1, cos.shape[-1]).contiguous()
 
 
 def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,

@@ -259,19 +259,6 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
   h.add_(at::mm(act, wd));
 }
 
-// The model's final RMSNorm over each row of x [B, H] (F.rms_norm in float32), in one pass: torch's
-// own decomposes into five ops, as long as a layer's step on a decoding batch.
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check(x, "x");
-  check(w, "w");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm_rows: shapes disagree");
-  at::Tensor out = at::empty_like(x);
-  const int64_t B = x.size(0), H = x.size(1);
-  for (int64_t b = 0; b < B; ++b) rms_norm(x.data_ptr<float>() + b * H, w.data_ptr<float>(), eps,
-                                           out.data_ptr<float>() + b * H, H);
-  return out;
-}
-
 // One sampled token a row of logits [B, V] at temperature T > 0, and its log-probability under the
 // unmasked softmax(logits / T), as fastgen's torch-op path computes them: the probabilities
 // softmax(logits / T) (EOS's set to 0 while `block_eos`), their cumulative sum in float64, and the
@@ -330,6 +317,5 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
 
 TORCH_LIBRARY(posttrain, m) {
   m.def("decode_layer", &decode_layer);
-  m.def("rms_norm_rows", &rms_norm_rows);
   m.def("sample_rows", &sample_rows);
 }
