@@ -280,28 +280,32 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, double 
   float* op = logp.data_ptr<float>();
   const float temp = static_cast<float>(temperature);
   at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<float> x(V);
+    std::vector<float> x(V), e(V);
     std::vector<double> cdf(V);
     for (int64_t b = lo; b < hi; ++b) {
       const float* row = lp + b * V;
-      float mx = -std::numeric_limits<float>::infinity();
+      // the maximum the sampling softmax subtracts (EOS left out while held back, as torch's masked
+      // softmax does), and the full row's for the log-probability
+      float mx = -std::numeric_limits<float>::infinity(), smx = mx;
       for (int64_t v = 0; v < V; ++v) {
         x[v] = row[v] / temp;
         mx = std::max(mx, x[v]);
-      }
-      float total = 0.f;
-      for (int64_t v = 0; v < V; ++v) total += std::exp(x[v] - mx);
-      const float lse = mx + std::log(total);
-      // the sampling distribution: EOS held back while block_eos
-      float smx = -std::numeric_limits<float>::infinity();
-      for (int64_t v = 0; v < V; ++v) {
         if (!(block_eos && v == eos)) smx = std::max(smx, x[v]);
       }
-      float stotal = 0.f;
-      for (int64_t v = 0; v < V; ++v) stotal += (block_eos && v == eos) ? 0.f : std::exp(x[v] - smx);
+      float total = 0.f, stotal = 0.f;  // sum exp(x - mx), and the sampling distribution's sum exp(x - smx)
+      for (int64_t v = 0; v < V; ++v) {
+        e[v] = (block_eos && v == eos) ? 0.f : std::exp(x[v] - smx);
+        stotal += e[v];
+      }
+      if (smx == mx) {
+        total = stotal + (block_eos ? std::exp(x[eos] - mx) : 0.f);
+      } else {  // EOS alone is the row's maximum: the log-probability's sum needs its own shift
+        for (int64_t v = 0; v < V; ++v) total += std::exp(x[v] - mx);
+      }
+      const float lse = mx + std::log(total);
       double run = 0.0;
       for (int64_t v = 0; v < V; ++v) {
-        run += (block_eos && v == eos) ? 0.0 : static_cast<double>(std::exp(x[v] - smx) / stotal);
+        run += static_cast<double>(e[v] / stotal);
         cdf[v] = run;
       }
       const double target = up[b] * cdf[V - 1];
