@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 # The C++ kernels (trainer/csrc: the fast decoder's step, the training forward's fused ops), built once
-# per machine into ~/.cache/posttrain/kernels (about 30 s). Without a compiler they are skipped and
+# per machine into ~/.cache/posttrain/kernels (about 15 s on 2 cores). Without a compiler they are skipped and
 # decoding and training run on torch ops (slower, same results up to rounding).
 $(VENV)/.kernels: $(VENV)/.installed $(wildcard trainer/csrc/*.cpp) trainer/kernels.py
 	$(BIN)/python -m trainer.kernels || echo "posttrain: the C++ kernels did not build; decoding and training will use torch ops"

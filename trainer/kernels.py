@@ -6,7 +6,7 @@ It is built with torch's own extension builder against the installed torch, for 
 width as torch itself uses it (AVX-512, AVX2), into a cache outside the clone keyed by the source,
 torch's version and that width: `$POSTTRAIN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/posttrain/kernels`,
 else `~/.cache/posttrain/kernels`. Fresh clones on one machine reuse it; the first build takes
-about 40 s on 2 cores (`make setup` does it ahead). With no compiler, or `POSTTRAIN_KERNELS=0`, the
+about 15 s on 2 cores (`make setup` does it ahead). With no compiler, or `POSTTRAIN_KERNELS=0`, the
 fast decoder runs its torch-op path instead (same results up to float rounding, about half the
 speed on small models) and GRPO's log-prob passes run the model's own forward; which path runs is
 logged once.
