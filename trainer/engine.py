@@ -20,25 +20,30 @@ def free_port() -> int:
 
 _OWNER = "POSTTRAIN_ONE_RANK_GROUP_PID"  # set when this module made up a one-rank group's settings
 
-DETERMINISTIC = "POSTTRAIN_DETERMINISTIC"  # "0": the GPU's faster nondeterministic kernels, no exact resume
+DETERMINISTIC = "POSTTRAIN_DETERMINISTIC"  # "0": faster nondeterministic kernels, no exact resume
 _determinism_set = False
 
 
-def deterministic_gpu() -> None:
-    """On a GPU, ask for deterministic kernels, so that a resumed run matches an uninterrupted one.
+def deterministic() -> None:
+    """Ask torch for deterministic kernels, on the CPU as on a GPU, so that a run's weights do not
+    depend on thread timing: a resumed run always runs under other load than the run it resumes.
 
-    CUDA's default kernels are not run-to-run reproducible (an embedding's backward adds with
-    atomics; cuBLAS picks reductions by workspace): on one H100, two uninterrupted GRPO runs from the
-    same seed ended with different weights, and tests/test_grpo_resume.py failed; with this both
-    held. Strict, not warn-only: with warn_only, SDPA's memory-efficient backward keeps its
-    nondeterministic kernel (and only warns). cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it first
-    starts, so this runs before any GPU work. The CPU's kernels are deterministic already, so there
-    it does nothing. `POSTTRAIN_DETERMINISTIC=0` turns it off: faster, and needed if an op with no
-    deterministic version stops a run (torch's error names the op)."""
+    Without it, torch's CPU `index_put_(accumulate=True)` (the backward of advanced indexing, such
+    as HF's KV-cache `batch_select_indices`) adds from several threads with atomics, in whatever
+    order the threads reach each element; on a GPU, embedding backward and cuBLAS's workspace
+    reductions do likewise. Strict, not warn-only: with warn_only, SDPA's memory-efficient CUDA
+    backward keeps its nondeterministic kernel. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it first
+    starts, so this runs before any GPU work. On a CPU-only process the NaN fill of fresh
+    allocations (a debugging aid of the same switch) is left off: no kernel here reads memory it
+    did not write, and the fill costs a pass over every new buffer. `POSTTRAIN_DETERMINISTIC=0`
+    turns all of it off (docs/reproducibility.md)."""
     global _determinism_set
-    if _determinism_set or not torch.cuda.is_available() or os.environ.get(DETERMINISTIC, "1") == "0":
+    if _determinism_set or os.environ.get(DETERMINISTIC, "1") == "0":
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    else:
+        torch.utils.deterministic.fill_uninitialized_memory = False
     torch.use_deterministic_algorithms(True)
     _determinism_set = True
 
@@ -65,7 +70,7 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     skip_shm_comm_build()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deterministic_gpu()
+    deterministic()
     if torch.cuda.is_available():
         # each rank's own GPU: DeepSpeed places the model there, and NCCL's collectives use it
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -108,8 +113,8 @@ def skip_shm_comm_build() -> None:
 def device() -> torch.device:
     """Where this process computes: its rank's GPU when there is one (the one `init_distributed`
     selected), else the CPU. Batches, evaluated models and collectives' tensors go there."""
+    deterministic()  # before the first work of a process that starts no group (eval)
     if torch.cuda.is_available():
-        deterministic_gpu()  # before the first GPU work of a process that starts no group (eval)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

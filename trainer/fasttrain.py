@@ -161,7 +161,9 @@ def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     for block in inner.layers:
         h, kv = _layer(block, h, cos, sin, mask, heads, kv_heads, hd)
         cached.append(kv)
-    first = _logits(model, h[:, -1:])[inverse]
+    # index_select, not [inverse]: its backward adds each sample's gradient in index order, where
+    # indexing's (index_put_ with accumulate) adds from several threads in arrival order
+    first = _logits(model, h[:, -1:]).index_select(0, inverse)
     if R == 1:
         return first
     S = R - 1
@@ -173,5 +175,6 @@ def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     h = F.embedding(rids[:, :-1], embed.weight, embed.padding_idx)
     cos, sin = _rotary_tables(inner, h, rpos)
     for block, (k, v) in zip(inner.layers, cached):
-        h, _ = _layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=(k[inverse], v[inverse]))
+        past = (k.index_select(0, inverse), v.index_select(0, inverse))
+        h, _ = _layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=past)
     return torch.cat([first, _logits(model, h)], dim=1)

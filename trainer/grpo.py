@@ -109,7 +109,7 @@ def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.T
                  use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_select_indices(inverse)
-    first = out.logits[:, -1:][inverse]
+    first = out.logits[:, -1:].index_select(0, inverse)  # see fasttrain.prefix_logits
     if R == 1:
         return first
     positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=dev)[None]
