@@ -25,8 +25,11 @@ def sft_seconds_per_step(sft: dict) -> float:
 
 def control_steps(cfg, sft: dict, grpo: dict) -> int:
     """SFT steps that take as long as GRPO trained: GRPO's seconds (x control.time_factor) over the
-    SFT stage's measured seconds per step. Fixed once both upstream results exist, so the control
-    is cached and resumed like any stage."""
+    SFT stage's measured seconds per step, or control.steps when set. Fixed once both upstream
+    results exist, so the control is cached and resumed like any stage; measured seconds vary with
+    the machine's load, so only control.steps gives the same control weights run after run."""
+    if cfg.control.steps is not None:
+        return cfg.control.steps
     budget = grpo["metrics"]["grpo/seconds"] * cfg.control.time_factor
     return max(1, round(budget / sft_seconds_per_step(sft)))
 
@@ -48,8 +51,11 @@ def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dic
     def body(work: Path, logger) -> dict:
         steps = control_steps(cfg, sft, grpo)
         run_cfg = control_config(cfg, sft, steps)
-        prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
-                              "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"], sft_seconds_per_step(sft))
+        if cfg.control.steps is not None:
+            prefect_logger().info("control: %d SFT steps from the SFT policy (control.steps)", steps)
+        else:
+            prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
+                                  "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"], sft_seconds_per_step(sft))
         logger.log_params({"control.steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
         if cfg.sft.deepspeed.launched:
             out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,

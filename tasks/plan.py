@@ -142,8 +142,9 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
                              "rollout.sglang.first_gpu past the training ranks")
     if until == "eval" and cfg.grpo.enabled and cfg.control.enabled:
         folder = stage("control", {"data": manifests["prepare_data"], "sft": manifests["sft"], "grpo": manifests["grpo"]})
-        lines.append(f"  SFT-only control: SFT continued from the SFT policy at lr {cfg.control.lr:g} for "
-                     f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
+        budget = (f"{cfg.control.steps} steps (control.steps)" if cfg.control.steps is not None else
+                  f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
+        lines.append(f"  SFT-only control: SFT continued from the SFT policy at lr {cfg.control.lr:g} for {budget}")
         lines += _how("sft", cfg.sft.deepspeed, folder)  # the control runs the sft body
     if until == "eval":
         after = "sft, grpo and the control" if cfg.grpo.enabled and cfg.control.enabled else "sft and after grpo"

@@ -75,3 +75,17 @@ def test_section_hash_changes_only_with_its_section():
     a, b = load_config("tiny"), load_config("tiny", ["sft.lr=1e-4"])
     assert a.section_hash("data") == b.section_hash("data")
     assert a.section_hash("sft") != b.section_hash("sft")
+
+
+def test_control_steps_fix_the_controls_budget_whatever_the_seconds():
+    """control.steps replaces the seconds-based budget, which follows the machine's load."""
+    from tasks.control import control_steps
+
+    sft = {"result": {"steps": 100, "train_seconds": 10.0}}
+    fast, slow = {"metrics": {"grpo/seconds": 5.0}}, {"metrics": {"grpo/seconds": 9.0}}
+    cfg = load_config("tiny")
+    assert (control_steps(cfg, sft, fast), control_steps(cfg, sft, slow)) == (50, 90)
+    pinned = load_config("tiny", ["control.steps=70"])
+    assert control_steps(pinned, sft, fast) == control_steps(pinned, sft, slow) == 70
+    with pytest.raises(ConfigError, match="control.steps"):
+        load_config("tiny", ["control.steps=0"])

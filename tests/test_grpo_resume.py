@@ -75,3 +75,30 @@ def test_every_process_asks_for_deterministic_kernels(monkeypatch, gpu):
     assert (os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8") == gpu
     # the NaN fill of new allocations stays on a GPU's default, off on a CPU-only process
     assert torch.utils.deterministic.fill_uninitialized_memory == gpu
+
+
+def test_a_resume_with_another_thread_count_says_it_will_not_be_exact(tiny_tokenizer, tmp_path, caplog):
+    """The thread count splits every threaded reduction: a resume with another count is close to
+    the uninterrupted run, not bit-identical, and says so with the way back."""
+    import logging
+
+    import torch
+
+    from trainer import checkpoint
+
+    cfg = load_config("tiny", OVERRIDES)
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 40, "n_test": 4}), 0)
+    assert _run(cfg, tiny_tokenizer, data, tmp_path, crash_after=2) is None
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        GRPOTrainer(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data.train, data.test, tmp_path)
+    assert not [r for r in caplog.records if "other numerics" in r.getMessage()]
+    torch.set_num_threads(threads + 1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+            GRPOTrainer(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data.train, data.test, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    said = [r.getMessage() for r in caplog.records if "other numerics" in r.getMessage()]
+    assert len(said) == 1 and f"threads {threads} then, {threads + 1} now" in said[0] and "OMP_NUM_THREADS" in said[0]
+    assert checkpoint.numerics_differences(None, checkpoint.numerics()) == []  # checkpoints from before the record

@@ -41,6 +41,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def numerics() -> dict[str, Any]:
+    """What a process's arithmetic depends on beyond the weights and data: the same weights come
+    out of a resume only when these match the run that wrote the checkpoint (docs/reproducibility.md)."""
+    import os
+
+    from trainer.engine import DETERMINISTIC
+
+    return {"threads": torch.get_num_threads(), "deterministic": os.environ.get(DETERMINISTIC, "1") != "0",
+            "kernels": os.environ.get("POSTTRAIN_KERNELS", "1") != "0", "torch": torch.__version__}
+
+
+def numerics_differences(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """How `now` differs from a checkpoint's `numerics()` (nothing for checkpoints older than it)."""
+    return [f"{k} {saved[k]!r} then, {now.get(k)!r} now" for k in sorted(saved or {}) if saved[k] != now.get(k)]
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
@@ -59,7 +75,7 @@ def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], 
 
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
-    state = dict(client_state, step=step, rng=rng_state())
+    state = dict(client_state, step=step, rng=rng_state(), numerics=numerics())
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
     except Exception as exc:
@@ -145,6 +161,11 @@ def load_latest(engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
             continue
         set_rng_state(client["rng"])
         log.info("resumed from checkpoint %s/%s (step %d)", ckpt_dir, tag, client["step"])
+        if changed := numerics_differences(client.get("numerics"), numerics()):
+            log.warning("resuming %s/%s with other numerics than the run that saved it (%s): the result will "
+                        "be close to, not bit-identical with, an uninterrupted run; to match it, run with what it "
+                        "had (OMP_NUM_THREADS for threads, POSTTRAIN_DETERMINISTIC, POSTTRAIN_KERNELS)",
+                        ckpt_dir, tag, "; ".join(changed))
         return client
     if failures:
         raise CheckpointError("no committed checkpoint under " + str(ckpt_dir) + " could be loaded:\n  "

@@ -294,6 +294,9 @@ class ControlConfig(Strict):
     time_factor: float = Field(
         1.0, gt=0, description="the control's budget in GRPO's training seconds; its steps are that budget "
         "over the SFT stage's measured seconds per step")
+    steps: int | None = Field(
+        None, ge=1, description="a fixed number of SFT steps instead of GRPO's seconds: the control's weights "
+        "then do not depend on how fast the machine ran (time_factor is not used)")
 
 
 class TrackingConfig(Strict):
