@@ -61,3 +61,88 @@ def test_integer_answers_are_graded_as_math_verify_grades_them():
     for gold, pred in pairs:
         response = f"x\n#### {pred}"
         assert is_correct(response, gold) == _verified(extract_answer(response), gold), (gold, pred)
+
+
+# Final answers a policy can write that sympy, asked to evaluate them, works on for minutes or
+# hours (the first three never returned in 8 s before the checker ran in its own process).
+HOSTILE = ["9**9**9**9", "2^2^2^2^2^2", "9^9^9", "10**10**10", "(9^9)^(9^9)", "10^{10^{10^{10}}}", "99**99**99",
+           "1000000!", "(10!)!", "((5!)!)!", "factorial(10**7)", "\\Gamma(10^{9})", "binomial(10**9, 10**5)",
+           "\\binom{10^9}{10^5}", "e^{e^{e^{e^{10}}}}", "(" * 45 + "1" + ")" * 45,
+           "\\frac{1}{" * 12 + "2" + "}" * 12, "\\sqrt{" * 20 + "2" + "}" * 20, "9" * 99, "1" + "0" * 98,
+           "0." + "3" * 97, "-" * 99, "\\" * 99, "{" * 99, "x^" * 33, "9!" * 33, "2**" * 30 + "2"]
+
+
+def _fuzz(n: int, seed: int) -> list[str]:
+    """Random strings of the pieces the hostile answers are made of, and printable garbage."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    pieces = ["9", "99", "^", "**", "!", "(", ")", "\\frac{", "}{", "}", "10", "e", "\\sqrt{", "{", "}", "x", "-", "/", "."]
+    out = ["".join(rng.choice(pieces) for _ in range(rng.randint(3, 30)))[:100] for _ in range(n)]
+    out += ["".join(rng.choice(string.printable) for _ in range(rng.randint(1, 100))) for _ in range(n)]
+    return out
+
+
+@pytest.mark.slow
+def test_every_check_returns_within_a_second_whatever_the_answer():
+    """A reward must never hang a round: each call returns within 1 s (math-verify's work is in a
+    process killed past CHECK_SECONDS), an answer that cannot be checked scores as wrong, and the
+    checker still answers ordinary questions afterwards."""
+    import time
+
+    assert is_correct("#### \\frac{14}{2}", "7")  # warm: a checker's first start is not an answer's time
+    slow = []
+    for answer in HOSTILE + _fuzz(40, 0):
+        for response in (f"x\n#### {answer}", f"so \\boxed{{{answer}}}"):
+            t0 = time.perf_counter()
+            result = is_correct(response, "42")
+            seconds = time.perf_counter() - t0
+            if seconds > 1.0:
+                slow.append((answer, round(seconds, 2)))
+            assert result in (True, False)
+    assert not slow, slow
+    assert is_correct("#### \\frac{14}{2}", "7") and is_correct("#### 7", "7") and not is_correct("#### 8", "7")
+
+
+def test_labelled_gsm8k_solutions_are_scored_correct():
+    """OpenAI's labelled solutions (worked text with <<a*b=c>> annotations, then #### n) against
+    their own answers, through the checker's process where the answer is not a plain integer."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "gsm8k"
+    rows = [json.loads(x) for f in ("train.jsonl", "test.jsonl") for x in (folder / f).read_text().splitlines()]
+    assert len(rows) == 400
+    for row in rows:
+        gold = row["answer"].split("####")[-1].strip()
+        assert is_correct(row["answer"], gold), row["answer"][-80:]
+        assert is_correct(row["answer"].rsplit("####", 1)[0] + "#### " + gold + ".0", gold)  # via math-verify
+
+
+def test_no_checker_process_outlives_its_parent(tmp_path):
+    """The checker's processes die with the process that uses them, even one SIGKILLed while its
+    checker is deep in a hostile answer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = ("import sys, threading\nfrom trainer import answers\nanswers.is_correct('#### \\\\frac{1}{2}', '0.5')\n"
+              "c = answers._checker\nprint(c.proc.pid, c.spare.pid, flush=True)\n"
+              "threading.Thread(target=answers.is_correct, args=('#### 9**9**9**9', '1')).start()\n"
+              "import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    time.sleep(0.3)  # the hostile answer is being worked on
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
