@@ -101,6 +101,7 @@ def eval_table(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if s["stage"] == "eval":
             m = s["metrics"]
             rows.append({"model": s["label"], "accuracy": round(m.get("eval/accuracy", math.nan), 4),
+                         "flexible_accuracy": round(m.get("eval/flexible_accuracy", math.nan), 4),
                          "seen_accuracy": round(m.get("eval/seen_accuracy", math.nan), 4),
                          "format_rate": round(m.get("eval/format_rate", math.nan), 4),
                          "mean_response_tokens": round(m.get("eval/mean_response_tokens", math.nan), 1),

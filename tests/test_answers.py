@@ -146,3 +146,27 @@ def test_no_checker_process_outlives_its_parent(tmp_path):
                                               for p in pids):
         time.sleep(0.05)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.mark.parametrize("response,strict,flexible", [
+    # a real model's closing line after the answer (SmolLM2-135M-Instruct's first GSM8K response)
+    ("Dee has 3 pens and buys 1 more.\n#### 4\nThe answer is: 4", "4", "4"),
+    ("#### 1,234 apples\nDone.", "1,234 apples", "1,234"),
+    ("first #### 5 then #### 6", "6", "6"),
+    ("#### \n#### 7", "7", "7"),
+    ("The total is $1,200.50.", None, "1,200.50"),
+    ("so 3 + 4 = 7, and the answer is \\boxed{7}. Check: 7 - 4 = 3", "7", "3"),
+    ("no numbers here", None, None),
+    ("-5 degrees, then it fell to -12.", None, "-12"),
+])
+def test_strict_takes_the_last_final_line_anywhere_and_flexible_the_last_number(response, strict, flexible):
+    assert extract_answer(response) == strict
+    assert extract_answer(response, "flexible") == flexible
+
+
+def test_strict_and_flexible_scoring():
+    assert is_correct("Dee has 3 pens.\n#### 4\nThe answer is: 4", "4")
+    assert not is_correct("The answer is 4.", "4") and is_correct("The answer is 4.", "4", "flexible")
+    assert is_correct("It costs $1,200.", "1200", "flexible")
+    with pytest.raises(ValueError, match="strict or flexible"):
+        extract_answer("#### 4", "loose")

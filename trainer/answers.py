@@ -24,7 +24,10 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 
 from trainer.data import extract_boxed
 
-FINAL_RE = re.compile(r"####\s*([^\n]+?)\s*$")
+# each `####` and what follows it on its line, up to the next `####`
+FINAL_RE = re.compile(r"####((?:(?!####)[^\n])*)")
+# the last number of a text, as lm-eval's GSM8K "flexible-extract" takes it (signs, thousands commas, decimals)
+LAST_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 NUMBER_RE = re.compile(r"^-?[\d,]*\.?\d+$")
 INTEGER_RE = re.compile(r"^-?[0-9]+$")
 # Without the signal timeout math-verify warns on every call; our inputs are short and bounded.
@@ -35,11 +38,21 @@ START_SECONDS = 60.0  # for a checker process to start (about 0.5 s on a quiet m
 log = logging.getLogger(__name__)
 
 
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: after a closing `####` line, else the last \\boxed{}."""
-    m = FINAL_RE.search(response.strip())
-    if m:
-        return m.group(1).strip()
+def extract_answer(response: str, mode: str = "strict") -> str | None:
+    """The final answer of a response.
+
+    strict (what the math reward and `eval/accuracy` use): the last `#### x` wherever it stands
+    (real models often add a line after it, as lm-eval's strict-match and verl's GSM8K scorer
+    allow), else the last \\boxed{}. flexible: the last number anywhere in the text."""
+    if mode == "flexible":
+        numbers = LAST_NUMBER_RE.findall(response)
+        return numbers[-1].rstrip(",") if numbers else None
+    if mode != "strict":
+        raise ValueError(f"unknown answer extraction {mode!r}; use strict or flexible")
+    finals = [m.strip() for m in FINAL_RE.findall(response)]
+    finals = [f for f in finals if f]
+    if finals:
+        return finals[-1]
     return extract_boxed(response)
 
 
@@ -61,8 +74,9 @@ def _integer(text: str) -> int | None:
     return int(digits) if INTEGER_RE.match(digits) and NUMBER_RE.match(text) else None
 
 
-def is_correct(response: str, gold: str) -> bool:
-    pred = extract_answer(response)
+def is_correct(response: str, gold: str, mode: str = "strict") -> bool:
+    """Whether the response's final answer (`extract_answer` in `mode`) equals the gold answer."""
+    pred = extract_answer(response, mode)
     if pred is None or len(pred) > MAX_ANSWER_CHARS:
         return False
     # Two plain integers: math-verify compares them as sympy Integers, i.e. by value; doing that

@@ -1,4 +1,6 @@
-"""Held-out evaluation: greedy accuracy (math-verify), format rate, mean response length.
+"""Held-out evaluation: greedy accuracy (math-verify) with strict extraction (the last `#### n` or
+\\boxed{}, what the math reward scores) and flexible extraction (the last number in the text), format
+rate, mean response length.
 
 Run alone: `posttrain eval --preset tiny`.
 """
@@ -28,9 +30,11 @@ class EvalResult:
     n: int
     seconds: float
     rows: list[dict[str, Any]] = field(default_factory=list)
+    flexible_accuracy: float = float("nan")
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        return {f"{prefix}accuracy": self.accuracy, f"{prefix}format_rate": self.format_rate,
+        return {f"{prefix}accuracy": self.accuracy, f"{prefix}flexible_accuracy": self.flexible_accuracy,
+                f"{prefix}format_rate": self.format_rate,
                 f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n)}
 
 
@@ -46,11 +50,13 @@ def evaluate(model: torch.nn.Module, tok: PreTrainedTokenizerBase, examples: lis
         ok = is_correct(g.text, ex["answer"])
         rows.append({"id": ex["id"], "question": ex["messages"][-2]["content"], "gold": ex["answer"],
                      "response": g.text, "predicted": extract_answer(g.text), "correct": ok,
+                     "correct_flexible": is_correct(g.text, ex["answer"], "flexible"),
                      "format_ok": has_format(g.text), "response_tokens": len(g.token_ids),
                      "finish_reason": g.finish_reason})
     n = max(len(rows), 1)
     return EvalResult(
         accuracy=sum(r["correct"] for r in rows) / n,
+        flexible_accuracy=sum(r["correct_flexible"] for r in rows) / n,
         format_rate=sum(r["format_ok"] for r in rows) / n,
         mean_response_tokens=sum(r["response_tokens"] for r in rows) / n,
         n=len(rows), seconds=time.perf_counter() - t0, rows=rows,

@@ -456,7 +456,8 @@ class GRPOTrainer:
         examples = self.test[: g.eval_examples]
         ecfg = self.cfg.eval.model_copy(update={"max_examples": None})
         greedy = evaluate(self.ds.module, self.tok, examples, ecfg)
-        metrics = {"eval/accuracy": greedy.accuracy, "eval/format_rate": greedy.format_rate}
+        metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
+                   "eval/format_rate": greedy.format_rate}
         if g.pass_k > 1:
             prompts = [encode_prompt(self.tok, prompt_messages(ex)) for ex in examples]
             params = SamplingParams(self.cfg.eval.max_new_tokens, self.cfg.rollout.temperature, self.cfg.rollout.top_p,
