@@ -21,8 +21,9 @@ from trainer.model import pretrained_kind
 def _check_path(field: str, ref: str | None, problems: list[str], notes: list[str], model: bool = False) -> None:
     if not ref:
         return
+    gguf = model and ref.lower().endswith(".gguf")  # a file, converted to a folder at first use
     if storage.is_remote(ref):
-        target = storage.join(ref, "config.json") if model else ref
+        target = storage.join(ref, "config.json") if model and not gguf else ref
         try:
             ok = storage.exists(target)
         except Exception as exc:  # credentials, endpoint, network: report, do not crash the plan
@@ -39,7 +40,12 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
         notes.append(f"{field}: {ref} is a hub name: it loads only where this machine can reach the hub "
                      "(offline, point it at a local folder or s3:// URI)")
         return
-    if model and not (path / "config.json").is_file():
+    if gguf:
+        if path.is_file():
+            notes.append(f"{field}: {ref} (a GGUF file, converted once into the cache)")
+        else:
+            problems.append(f"{field}: {ref!r} does not exist (relative paths are from {Path.cwd()}); fix the path")
+    elif model and not (path / "config.json").is_file():
         problems.append(f"{field}: {ref!r} is not a model folder (no config.json); point it at a save_pretrained folder")
     elif not model and not path.is_file():
         problems.append(f"{field}: {ref!r} does not exist (relative paths are from {Path.cwd()}); fix the path")

@@ -103,7 +103,8 @@ class TokenizerConfig(Strict):
 
 class ModelConfig(Strict):
     pretrained: str | None = Field(
-        None, description="local path, s3:// URI or hub name; unset builds a model from the fields below"
+        None, description="local folder, s3:// URI, .gguf file (local or s3://, converted once to a cached "
+        "safetensors folder) or hub name; unset builds a model from the fields below"
     )
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)

@@ -1,5 +1,6 @@
 """Policy models: a tiny Llama built from the config, or a pretrained model from a local path,
-an `s3://` URI (downloaded once into the local cache) or a hub name."""
+an `s3://` URI (downloaded once into the local cache), a `.gguf` file (converted once,
+`trainer.gguf_source`) or a hub name."""
 
 from __future__ import annotations
 
@@ -21,13 +22,22 @@ def pretrained_kind(ref: str) -> str:
     """What a model.pretrained value names: "remote" (an s3:// URI), "local" (a path) or "hub"."""
     if storage.is_remote(ref):
         return "remote"
+    if ref.lower().endswith(".gguf"):  # a file path, never a hub name
+        return "local"
     if ref.startswith((".", "/", "~")) or Path(ref).exists():
         return "local"
     return "hub"
 
 
 def resolve_pretrained(ref: str) -> str:
-    """A local folder for s3:// and local refs; hub names pass through unchanged."""
+    """A local folder for s3://, local and .gguf refs; hub names pass through unchanged."""
+    from trainer.gguf_source import GGUFError, converted, is_gguf
+
+    if is_gguf(ref):
+        try:
+            return str(converted(ref))
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from None
     kind = pretrained_kind(ref)
     if kind == "remote":
         if not storage.exists(ref):
