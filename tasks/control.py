@@ -39,7 +39,7 @@ def control_config(cfg, sft: dict, steps: int):
     at control.lr, a data order of its own."""
     c = cfg.control
     # epochs >= steps: the planned step count is max_steps, whatever the dataset size
-    sft_cfg = cfg.sft.model_copy(update={"lr": c.lr, "warmup_steps": min(c.warmup_steps, steps), "max_steps": steps,
+    sft_cfg = cfg.sft.model_copy(update={"enabled": True, "lr": c.lr, "warmup_steps": min(c.warmup_steps, steps), "max_steps": steps,
                                          "epochs": max(cfg.sft.epochs, steps), "max_seconds": None})
     model = cfg.model.model_copy(update={"pretrained": str(model_dir(sft))})
     tokenizer = cfg.tokenizer.model_copy(update={"train": False})
@@ -56,7 +56,7 @@ def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dic
         else:
             prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
                                   "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"], sft_seconds_per_step(sft))
-        logger.log_params({"control.steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
+        logger.log_params({"control.budget_steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
         if cfg.sft.deepspeed.launched:
             out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,
                                {"data": data, "tokenizer": None, "fault": None})
