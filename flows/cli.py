@@ -78,7 +78,7 @@ def print_summary(result: dict, seconds: float) -> None:
     for line in accuracy_lines(result["headline"]):
         console.print(line, markup=False, highlight=False)
     for k, v in result["headline"].items():
-        if k != "wall_seconds":
+        if k != "wall_seconds" and not (k == "start_accuracy" and "sft_accuracy" in result["headline"]):
             console.print(f"{k}: {v:.1%}" if "accuracy" in k else f"{k}: {v:.4g}")
     grpo = next((s for s in result["stages"] if s["stage"] == "grpo"), None)
     if grpo and not grpo["cache_hit"]:

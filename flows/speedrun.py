@@ -61,8 +61,14 @@ def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
         policy = sft = run.add(run_sft(cfg, data, tok, run.ref, fault_at_step=fault.get("sft")))
         if until == "sft":
             return run.result()
+        # the starting policy: SFT's, or model.pretrained as it is (sft.enabled=false); its accuracy is
+        # start_accuracy either way, and also sft_accuracy (the name older runs have) when SFT ran
+        start = "sft" if cfg.sft.enabled else "start"
+        run.logger.set_tags({"posttrain.start_policy": "sft" if cfg.sft.enabled else f"pretrained: {cfg.model.pretrained}"})
         final_eval = sft_eval = run.add(run_eval(cfg, data, policy, run.ref))
-        run.report(sft_accuracy=sft_eval["metrics"]["eval/accuracy"])
+        run.report(start_accuracy=sft_eval["metrics"]["eval/accuracy"])
+        if cfg.sft.enabled:
+            run.report(sft_accuracy=sft_eval["metrics"]["eval/accuracy"])
         grpo = None
         if cfg.grpo.enabled and until in ("grpo", "eval"):
             policy = grpo = run.add(grpo_stage(cfg, data, policy, run.ref, fault))
@@ -77,7 +83,7 @@ def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
                 run.report(control_accuracy=control_eval["metrics"]["eval/accuracy"],
                            **seen(control_eval, "control"),
                            **paired_comparison(control_eval, final_eval, "vs_control_"))
-        run.report(**seen(sft_eval, "sft"), **seen(final_eval, "final"))
+        run.report(**seen(sft_eval, start), **seen(final_eval, "final"))
         run.report(final_accuracy=final_eval["metrics"]["eval/accuracy"])
         run.report(wall_seconds=run.elapsed())
         stages = {"prepare_data": data, "sft": sft, "grpo": grpo}

@@ -57,6 +57,8 @@ class PipelineRun:
 
 
 def _label(manifest: dict[str, Any]) -> str:
+    if manifest.get("skipped"):
+        return f"{manifest['stage']} (off: pretrained)"
     evaluated = manifest.get("evaluated_stage")
     return f"{manifest['stage']} ({evaluated})" if evaluated else manifest["stage"]
 

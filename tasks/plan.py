@@ -110,7 +110,11 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         tok_inputs = manifests["tokenizer"]
     if until not in ("prepare_data", "tokenizer"):
         folder = stage("sft", {"data": manifests["prepare_data"], "tokenizer": tok_inputs})
-        lines += _how("sft", cfg.sft.deepspeed, folder)
+        if cfg.sft.enabled:
+            lines += _how("sft", cfg.sft.deepspeed, folder)
+        else:
+            lines.append(f"  sft: off (sft.enabled=false): {cfg.model.pretrained} is the starting policy, "
+                         "committed as this stage's model in this process; the evals and GRPO start from it")
     if until in ("grpo", "eval") and cfg.grpo.enabled:
         folder = stage("grpo", {"data": manifests["prepare_data"], "sft": manifests["sft"]})
         lines += _how("grpo", cfg.grpo.deepspeed, folder)

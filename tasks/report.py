@@ -13,7 +13,7 @@ from tasks import lease
 from tasks.common import prefect_logger
 from trainer import storage
 
-COMPARED = ("final_accuracy", "sft_accuracy", "control_accuracy", "vs_control_mcnemar_z", "final_seen_accuracy",
+COMPARED = ("final_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy", "vs_control_mcnemar_z", "final_seen_accuracy",
             "final_reward", "wall_seconds")
 
 
@@ -59,7 +59,9 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
     """Held-out and seen-equation accuracy of SFT, GRPO and the SFT-only control, then the paired
     comparisons on the held-out problems (plain text: the CLI prints it, the summary quotes it)."""
     grpo_ran = "grpo_fixed" in head  # without GRPO the final policy is the SFT one: no GRPO row repeating it
-    names = (("SFT", "sft"), ("GRPO", "final"), ("control (SFT only)", "control"))
+    sft_ran = "sft_accuracy" in head or "start_accuracy" not in head  # runs before start_accuracy: SFT ran
+    start = "SFT" if sft_ran else "start (pretrained)"
+    names = ((start, "sft" if sft_ran else "start"), ("GRPO", "final"), ("control (SFT only)", "control"))
     rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy")) for label, name in names
             if name != "final" or grpo_ran]
     rows = [r for r in rows if r[1] is not None]
@@ -70,7 +72,7 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
         gap = f"{(seen - held) * 100:+.1f}pt" if seen is not None else "-"
         lines.append(f"{label:<20}{held:>10.1%}{(f'{seen:.1%}' if seen is not None else '-'):>10}{gap:>10}")
     if grpo_ran:
-        lines.append(f"GRPO vs SFT:     fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
+        lines.append(f"{'GRPO vs ' + ('SFT:' if sft_ran else 'start:'):<17}fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
                      f"problems, McNemar z = {head['mcnemar_z']:.2f}")
     if "vs_control_fixed" in head:
         lines.append(f"GRPO vs control: fixed {head['vs_control_fixed']:.0f}, broke {head['vs_control_broken']:.0f} "

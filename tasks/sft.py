@@ -30,6 +30,8 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     tok = load_tokenizer(tok_path)
     model = build_model(cfg.model, tok, cfg.seed)
     logger.log_params({"model.n_params": count_params(model)})
+    if not cfg.sft.enabled:
+        return export_pretrained(model, tok, work, logger)
     engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
     if result.resumed_from_step is not None:
         logger.set_tags({"resumed_from_step": result.resumed_from_step})
@@ -43,10 +45,26 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
 
 
+def export_pretrained(model, tok, work: Path, logger) -> dict:
+    """sft.enabled=false: the stage trains nothing and commits model.pretrained itself as the
+    starting policy, so that eval, GRPO, the control and SGLang read it where they read SFT's."""
+    from trainer import engine as ds
+    from trainer.model import count_params
+
+    model.save_pretrained(str(work / "model"), safe_serialization=True)
+    tok.save_pretrained(str(work / "model"))
+    metrics = {"sft/steps": 0, "sft/n_params": count_params(model)}
+    logger.log_metrics(metrics)
+    logger.set_tags({"posttrain.sft": "disabled: model.pretrained is the starting policy"})
+    logger.log_artifact(work / "model", "model")
+    return {"metrics": metrics, "model_subdir": "model", "skipped": True,
+            "result": {"steps": 0, "state_hash": ds.state_dict_hash(model), "resumed_from_step": None}}
+
+
 @task(name="sft", cache_policy=NO_CACHE)
 def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_step: int | None = None) -> dict:
     def body(work: Path, logger) -> dict:
-        if cfg.sft.deepspeed.launched:
+        if cfg.sft.deepspeed.launched and cfg.sft.enabled:
             return run_launched("sft", cfg, cfg.sft.deepspeed, work, ref, logger,
                                 {"data": data, "tokenizer": tokenizer, "fault": fault_at_step})
         return train_and_export(cfg, data, tokenizer, work, logger, fault_at_step)

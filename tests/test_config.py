@@ -89,3 +89,13 @@ def test_control_steps_fix_the_controls_budget_whatever_the_seconds():
     assert control_steps(pinned, sft, fast) == control_steps(pinned, sft, slow) == 70
     with pytest.raises(ConfigError, match="control.steps"):
         load_config("tiny", ["control.steps=0"])
+
+
+def test_sft_off_needs_a_pretrained_model_and_a_fixed_control_budget():
+    with pytest.raises(ConfigError, match="sft.enabled=false starts GRPO from model.pretrained"):
+        load_config("tiny", ["sft.enabled=false"])
+    with pytest.raises(ConfigError, match="set control.steps"):
+        load_config("tiny", ["sft.enabled=false", "model.pretrained=/some/folder", "tokenizer.train=false"])
+    cfg = load_config("tiny", ["sft.enabled=false", "model.pretrained=/some/folder", "tokenizer.train=false",
+                               "control.steps=5"])
+    assert not cfg.sft.enabled and cfg.control.steps == 5

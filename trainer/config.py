@@ -154,6 +154,8 @@ class DeepSpeedConfig(Strict):
 
 
 class SFTConfig(Strict):
+    enabled: bool = Field(True, description="false: no SFT; GRPO, the evals and the control start from "
+                          "model.pretrained as it is (the common recipe from an instruct model)")
     lr: float = Field(3e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(30, ge=0)
@@ -330,6 +332,13 @@ class RunConfig(Strict):
                 "tokenizer.train=true with model.pretrained set: a pretrained model uses its own "
                 "tokenizer; set tokenizer.train=false"
             )
+        if not self.sft.enabled and not self.model.pretrained:
+            raise ValueError("sft.enabled=false starts GRPO from model.pretrained, which is not set: set "
+                             "model.pretrained (a folder, s3:// URI, .gguf file or hub name) or sft.enabled=true")
+        if not self.sft.enabled and self.control.enabled and self.control.steps is None:
+            raise ValueError("control.enabled=true with sft.enabled=false: the control's default budget is GRPO's "
+                             "seconds at SFT's measured pace, and no SFT runs to measure it; set control.steps "
+                             "(a fixed number of SFT steps from the pretrained model) or control.enabled=false")
         if self.control.enabled and not self.grpo.enabled:
             raise ValueError("control.enabled=true needs grpo.enabled=true: the control's budget is GRPO's "
                              "training time; enable grpo or set control.enabled=false")
