@@ -166,10 +166,13 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         folder = stage("control", {"data": manifests["prepare_data"], "sft": manifests["sft"], "grpo": manifests["grpo"]})
         budget = (f"{cfg.control.steps} steps (control.steps)" if cfg.control.steps is not None else
                   f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
-        lines.append(f"  SFT-only control: SFT continued from the SFT policy at lr {cfg.control.lr:g} for {budget}")
+        start = "the SFT policy" if cfg.sft.enabled else "the starting policy"
+        lines.append(f"  SFT-only control: SFT continued from {start} at lr {cfg.control.lr:g} for {budget}")
         lines += _how("sft", cfg.sft.deepspeed, folder)  # the control runs the sft body
     if until == "eval":
-        after = "sft, grpo and the control" if cfg.grpo.enabled and cfg.control.enabled else "sft and after grpo"
+        first = "sft" if cfg.sft.enabled else "the starting policy (model.pretrained)"
+        rest = ", grpo and the control" if cfg.grpo.enabled and cfg.control.enabled else " and after grpo"
+        after = first + rest
         seen = f"; on {cfg.eval.seen_examples} training problems too (seen)" if cfg.eval.seen_examples else ""
         lines.append(f"{'eval':<13} after {after}: greedy accuracy on the held-out split{seen}")
     try:
