@@ -76,7 +76,8 @@ def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
             if until == "grpo":
                 return run.result()
             final_eval = run.add(run_eval(cfg, data, policy, run.ref))
-            run.report(**paired_comparison(sft_eval, final_eval))
+            run.report(**paired_comparison(sft_eval, final_eval),
+                       **paired_comparison(sft_eval, final_eval, "grpo_flexible_", field="correct_flexible"))
             if cfg.control.enabled:
                 control = run.add(run_control(cfg, data, sft, grpo, run.ref))
                 control_eval = run.add(run_eval(cfg, data, control, run.ref))

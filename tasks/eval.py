@@ -1,4 +1,6 @@
 """eval stage: greedy held-out accuracy, format rate and response length of a model manifest.
+With `rollout.engine: sglang` the answers come from SGLang servers on the evaluated model (launched
+for the stage, or rollout.sglang.urls loaded with it), otherwise from HF generate in this process.
 
 Run alone: `posttrain eval --preset tiny` (evaluates the pipeline's final model).
 """
@@ -27,17 +29,32 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         from trainer.tokenizer import load_tokenizer
 
         path = model_dir(model)
-        policy, tok = load_model(path, cfg.model.dtype).to(device()), load_tokenizer(path)
-        result = evaluate(policy, tok, load_split(data, "test"), cfg.eval)
-        storage.write_jsonl(str(work / "results.jsonl"), result.rows)
-        metrics = {**result.metrics(), "eval/seconds": result.seconds}
-        seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
-        if seen_rows:
-            seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}))
-            storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
-            logger.log_table(seen_result.rows, "eval_seen_results.json")
-            metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),
-                            "eval/memorisation_gap": seen_result.accuracy - result.accuracy})
+        tok = load_tokenizer(path)
+        engine = policy = None
+        if cfg.rollout.engine == "sglang":  # greedy answers from the servers the rollouts use, not HF generate
+            from tasks.grpo import launch_sglang
+
+            engine = launch_sglang(cfg, model)
+            if cfg.rollout.sglang.urls:  # servers run by someone else serve what they last loaded
+                engine.update_weights(str(path))
+        else:
+            policy = load_model(path, cfg.model.dtype).to(device())
+        logger.set_tags({"posttrain.answered_by": "sglang" if engine is not None else "hf generate"})
+        try:
+            result = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine)
+            storage.write_jsonl(str(work / "results.jsonl"), result.rows)
+            metrics = {**result.metrics(), "eval/seconds": result.seconds}
+            seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
+            if seen_rows:
+                seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}),
+                                       engine=engine)
+                storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
+                logger.log_table(seen_result.rows, "eval_seen_results.json")
+                metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),
+                                "eval/memorisation_gap": seen_result.accuracy - result.accuracy})
+        finally:
+            if engine is not None:
+                engine.close()
         logger.log_metrics(metrics)
         logger.log_table(result.rows, "eval_results.json")
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": model["stage"]}
@@ -54,12 +71,16 @@ def seen_sample(train: list[dict], n: int, seed: int) -> list[dict]:
     return [train[i] for i in sorted(picked)]
 
 
-def paired_comparison(before: dict, after: dict, prefix: str = "grpo_") -> dict[str, float]:
+def paired_comparison(before: dict, after: dict, prefix: str = "grpo_", field: str = "correct") -> dict[str, float]:
     """Held-out problems `after` gets right and `before` wrong (fixed), the reverse (broken), and
     McNemar's z, as {prefix}fixed, {prefix}broken, {prefix}mcnemar_z (the default keeps the
-    names of the SFT -> GRPO comparison: grpo_fixed, grpo_broken, mcnemar_z)."""
-    a = {r["id"]: r["correct"] for r in load_results(before)}
-    b = {r["id"]: r["correct"] for r in load_results(after)}
+    names of the SFT -> GRPO comparison: grpo_fixed, grpo_broken, mcnemar_z). `field` picks the
+    rows' strict `correct` or `correct_flexible`; results older than the flexible column give {}."""
+    rows_a, rows_b = load_results(before), load_results(after)
+    if any(field not in r for r in rows_a + rows_b):
+        return {}
+    a = {r["id"]: r[field] for r in rows_a}
+    b = {r["id"]: r[field] for r in rows_b}
     common = a.keys() & b.keys()
     fixed = sum(1 for k in common if b[k] and not a[k])
     broken = sum(1 for k in common if a[k] and not b[k])
@@ -69,9 +90,14 @@ def paired_comparison(before: dict, after: dict, prefix: str = "grpo_") -> dict[
 
 
 def seen(evaluation: dict, name: str) -> dict[str, float]:
-    """{name}_seen_accuracy: the model's accuracy on the sample of training problems, if measured."""
-    value = evaluation["metrics"].get("eval/seen_accuracy")
-    return {} if value is None else {f"{name}_seen_accuracy": value}
+    """{name}_seen_accuracy: the model's accuracy on the sample of training problems, if measured,
+    and {name}_flexible_accuracy: its held-out accuracy by the last number in the response."""
+    out = {}
+    for metric, key in (("eval/seen_accuracy", "seen_accuracy"), ("eval/flexible_accuracy", "flexible_accuracy")):
+        value = evaluation["metrics"].get(metric)
+        if value is not None:
+            out[f"{name}_{key}"] = value
+    return out
 
 
 def load_results(manifest: dict) -> list[dict]:

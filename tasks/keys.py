@@ -144,7 +144,8 @@ RULES: dict[str, KeyRule] = {
         "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
     }, content=_reward_content, extends="grpo.rounds"),
     "control": KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=_model_content),  # runs SFT
-    "eval": KeyRule(("eval",)),
+    # which engine answers matters: SGLang's greedy tokens can differ from HF generate's by rounding
+    "eval": KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine}),
 }
 
 

@@ -13,8 +13,8 @@ from tasks import lease
 from tasks.common import prefect_logger
 from trainer import storage
 
-COMPARED = ("final_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy", "vs_control_mcnemar_z", "final_seen_accuracy",
-            "final_reward", "wall_seconds")
+COMPARED = ("final_accuracy", "final_flexible_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy",
+            "mcnemar_z", "vs_control_mcnemar_z", "final_seen_accuracy", "final_reward", "wall_seconds")
 
 
 # ---------------------------------------------------------------- plot
@@ -26,7 +26,8 @@ def grpo_history(grpo: dict | None) -> list[dict[str, Any]]:
 
 
 def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> bytes:
-    """Reward and accuracy per GRPO round, with the SFT and final greedy accuracy as lines."""
+    """Reward and accuracy per GRPO round, with the starting (SFT or pretrained) and final greedy
+    accuracy as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,7 +42,8 @@ def progress_png(history: list[dict[str, Any]], headline: dict[str, float]) -> b
         evals = [h for h in history if "eval/accuracy" in h]
         if evals:
             ax.plot([h["round"] for h in evals], [h["eval/accuracy"] for h in evals], "o-", label="held-out greedy accuracy")
-    for name, style in (("sft_accuracy", ":"), ("final_accuracy", "--")):
+    start = "sft_accuracy" if "sft_accuracy" in headline else "start_accuracy"  # no SFT: the pretrained policy
+    for name, style in ((start, ":"), ("final_accuracy", "--")):
         if name in headline:
             ax.axhline(headline[name], ls=style, color="k", lw=1, label=f"{name} {headline[name]:.1%}")
     ax.set_xlabel("GRPO round")
@@ -62,18 +64,27 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
     sft_ran = "sft_accuracy" in head or "start_accuracy" not in head  # runs before start_accuracy: SFT ran
     start = "SFT" if sft_ran else "start (pretrained)"
     names = ((start, "sft" if sft_ran else "start"), ("GRPO", "final"), ("control (SFT only)", "control"))
-    rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_seen_accuracy")) for label, name in names
-            if name != "final" or grpo_ran]
+    rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_flexible_accuracy"),
+             head.get(f"{name}_seen_accuracy")) for label, name in names if name != "final" or grpo_ran]
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return []
-    lines = [f"{'model':<20}{'held-out':>10}{'seen':>10}{'gap':>10}"]
-    for label, held, seen in rows:
+
+    def pct(v: float | None) -> str:
+        return f"{v:.1%}" if v is not None else "-"
+
+    # held-out: strict (the last ####, what the reward scores); flexible: the last number in the text
+    lines = [f"{'model':<20}{'held-out':>10}{'flexible':>10}{'seen':>10}{'gap':>10}"]
+    for label, held, flexible, seen in rows:
         gap = f"{(seen - held) * 100:+.1f}pt" if seen is not None else "-"
-        lines.append(f"{label:<20}{held:>10.1%}{(f'{seen:.1%}' if seen is not None else '-'):>10}{gap:>10}")
+        lines.append(f"{label:<20}{held:>10.1%}{pct(flexible):>10}{pct(seen):>10}{gap:>10}")
     if grpo_ran:
-        lines.append(f"{'GRPO vs ' + ('SFT:' if sft_ran else 'start:'):<17}fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
+        versus = "GRPO vs " + ("SFT:" if sft_ran else "start:")
+        lines.append(f"{versus:<17}fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
                      f"problems, McNemar z = {head['mcnemar_z']:.2f}")
+        if "grpo_flexible_fixed" in head:
+            lines.append(f"{'  flexible:':<17}fixed {head['grpo_flexible_fixed']:.0f}, broke "
+                         f"{head['grpo_flexible_broken']:.0f}, McNemar z = {head['grpo_flexible_mcnemar_z']:.2f}")
     if "vs_control_fixed" in head:
         lines.append(f"GRPO vs control: fixed {head['vs_control_fixed']:.0f}, broke {head['vs_control_broken']:.0f} "
                      f"held-out problems, McNemar z = {head['vs_control_mcnemar_z']:.2f}")

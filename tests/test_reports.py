@@ -144,3 +144,17 @@ def test_accuracy_table_has_no_grpo_row_when_grpo_did_not_run():
     assert [line.split()[0] for line in lines[1:]] == ["SFT"]
     with_grpo = {**sft_only, "final_accuracy": 0.8, "grpo_fixed": 30, "grpo_broken": 5, "mcnemar_z": 4.2}
     assert [line.split()[0] for line in accuracy_lines(with_grpo)[1:3]] == ["SFT", "GRPO"]
+
+
+def test_accuracy_table_shows_strict_and_flexible_and_names_the_starting_policy():
+    from tasks.report import accuracy_lines
+
+    head = {"start_accuracy": 0.07, "start_flexible_accuracy": 0.30, "final_accuracy": 0.41,
+            "final_flexible_accuracy": 0.45, "grpo_fixed": 110, "grpo_broken": 7, "mcnemar_z": 9.52,
+            "grpo_flexible_fixed": 60, "grpo_flexible_broken": 15, "grpo_flexible_mcnemar_z": 5.2}
+    lines = accuracy_lines(head)
+    assert lines[0].split() == ["model", "held-out", "flexible", "seen", "gap"]
+    assert lines[1].split() == ["start", "(pretrained)", "7.0%", "30.0%", "-", "-"]
+    assert lines[2].split() == ["GRPO", "41.0%", "45.0%", "-", "-"]
+    assert lines[3].startswith("GRPO vs start:   fixed 110, broke 7") and lines[3].endswith("z = 9.52")
+    assert lines[4].split() == ["flexible:", "fixed", "60,", "broke", "15,", "McNemar", "z", "=", "5.20"]

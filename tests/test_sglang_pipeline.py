@@ -75,6 +75,11 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
     assert [h.step for h in syncs] == [1, 2, 3] and all(h.value > 0 for h in syncs)  # weights pushed each round
     gen_tps = client.get_metric_history(run.info.run_id, "rollout/tokens_per_second")
     assert len(gen_tps) == 3 and all(h.value > 0 for h in gen_tps)
+    evals = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                               "and tags.`posttrain.stage` LIKE 'eval%'")
+    assert evals and all(r.data.tags["posttrain.answered_by"] == "sglang" for r in evals)  # not HF generate
+    periodic = client.get_metric_history(run.info.run_id, "eval/accuracy")
+    assert periodic  # the periodic evals ran (through the servers: trainer.evaluate passes the engine)
     print(f"\nSGLang rounds: " + ", ".join(
         f"{k.split('/')[1]} {sum(h.value for h in client.get_metric_history(run.info.run_id, k)) / 3:.2f}s"
         for k in ("time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds",

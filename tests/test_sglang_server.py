@@ -121,6 +121,25 @@ def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tin
     assert [g.text for g in sg] == [tiny_tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in sg]
 
 
+def test_an_eval_through_sglang_gives_the_hf_evals_answers(servers, base_model, tiny_tokenizer):
+    """rollout.engine: sglang evaluates through the servers (the grpo stage's periodic evals and the
+    eval stage): the same prompts, greedy, the same limit, so the same rows as HF generate's eval."""
+    from trainer.config import EvalConfig
+    from trainer.evaluate import evaluate
+
+    _, model = base_model
+    examples = [{"id": f"q{i}", "answer": str(2 * i + 3), "messages": [
+        {"role": "user", "content": f"Ann has {i} cups. She buys {i + 3} more. How many?"},
+        {"role": "assistant", "content": f"#### {2 * i + 3}"}]} for i in range(10)]
+    cfg = EvalConfig(max_new_tokens=20, batch_size=4)
+    hf = evaluate(model, tiny_tokenizer, examples, cfg)
+    sg = evaluate(None, tiny_tokenizer, examples, cfg, engine=servers)
+    assert len({r["response"] for r in hf.rows}) > 1  # the answers differ between problems: a real comparison
+    keys = ("id", "response", "predicted", "correct", "correct_flexible", "response_tokens", "finish_reason")
+    assert [{k: r[k] for k in keys} for r in sg.rows] == [{k: r[k] for k in keys} for r in hf.rows]
+    assert (sg.accuracy, sg.flexible_accuracy, sg.format_rate) == (hf.accuracy, hf.flexible_accuracy, hf.format_rate)
+
+
 def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, base_model, tiny_tokenizer, tmp_path):
     """`min_new_tokens` (rollout.min_response_tokens) holds EOS back in SGLang's own sampler as in
     the in-process engine. The servers get a copy of the model whose EOS row is its most frequent

@@ -38,13 +38,21 @@ class EvalResult:
                 f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n)}
 
 
-def evaluate(model: torch.nn.Module, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig) -> EvalResult:
+def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
+             engine=None) -> EvalResult:
+    """Greedy answers to `examples`, from `model` in this process, or from a rollout engine (an
+    SGLang one: the same prompts, greedy, the same token limit) when `engine` is given."""
     examples = examples[: cfg.max_examples] if cfg.max_examples else examples
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     t0 = time.perf_counter()
-    with progress_bar("eval", total=len(prompts)) as bar:
-        gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
-                        batch_size=cfg.batch_size, progress=bar, logprobs=False)
+    if engine is not None:
+        from trainer.rollout import SamplingParams
+
+        gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0))
+    else:
+        with progress_bar("eval", total=len(prompts)) as bar:
+            gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
+                            batch_size=cfg.batch_size, progress=bar, logprobs=False)
     rows = []
     for ex, g in zip(examples, gens):
         ok = is_correct(g.text, ex["answer"])

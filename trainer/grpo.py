@@ -455,7 +455,9 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         examples = self.test[: g.eval_examples]
         ecfg = self.cfg.eval.model_copy(update={"max_examples": None})
-        greedy = evaluate(self.ds.module, self.tok, examples, ecfg)
+        # through the rollout engine when it is a server (SGLang): the weights it serves are this round's
+        served = None if isinstance(self.engine, HFEngine) else self.engine
+        greedy = evaluate(self.ds.module, self.tok, examples, ecfg, engine=served)
         metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
                    "eval/format_rate": greedy.format_rate}
         if g.pass_k > 1:
