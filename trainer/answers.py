@@ -57,7 +57,8 @@ def extract_answer(response: str, mode: str = "strict") -> str | None:
 
 
 def has_format(response: str) -> bool:
-    """The response ends with `#### <number>` or holds a \\boxed{} answer."""
+    """The response's last `####` is followed by a number (lines after it allowed, as in strict
+    extraction), or it holds a \\boxed{} answer."""
     ans = extract_answer(response)
     return ans is not None and (bool(NUMBER_RE.match(ans.replace(" ", ""))) or "\\boxed{" in response)
 

@@ -1,7 +1,7 @@
 """Rewards: plain functions `fn(response: str, example: dict) -> float`, chosen by name or dotted path.
 
 Built in: `math` (1.0 when math-verify says the final answer equals the gold answer), `format`
-(1.0 when the response ends in `#### <number>` or has a \\boxed{} answer) and `reward_model`
+(1.0 when the response's last `####` holds a number, or it has a \\boxed{} answer) and `reward_model`
 (a HF sequence-classification model loaded from a path, scoring prompt + response). Any
 other name is a dotted path `package.module:function` or `package.module.function`. The config
 mixes them with weights. A reward that returns NaN/inf raises, or is counted and its sample
