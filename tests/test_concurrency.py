@@ -103,24 +103,35 @@ def test_a_waiting_run_takes_over_from_a_killed_holder(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     longer = ["sft.max_steps=400", "sft.checkpoint_every=10"]  # as many steps as 2 epochs hold: 75
     holder = start_cli(root, tmp_path / "holder.json", store, longer, env={"POSTTRAIN_FAULT": "sft@21:hang"})
-    deadline = time.monotonic() + 300
-    while not any(root.glob(".locks/sft/*.holder")):
-        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the first run never started SFT"
-        time.sleep(0.2)
-    waiter = start_cli(root, tmp_path / "waiter.json", store, longer)
-    while "is computing it" not in (tmp_path / "waiter.log").read_text():
-        assert waiter.poll() is None, (tmp_path / "waiter.log").read_text()[-3000:]
-        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the second run never waited"
-        time.sleep(0.2)
-    [folder] = root.glob("sft/*")
-    while "injected hang at sft 21" not in (tmp_path / "holder.log").read_text():
-        assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the first run never reached SFT step 21"
-        time.sleep(0.2)
-    os.killpg(holder.pid, signal.SIGKILL)
-    holder.wait()
+    waiter = None
+    try:
+        deadline = time.monotonic() + 300
+        while not any(root.glob(".locks/sft/*.holder")):
+            assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run never started SFT"
+            time.sleep(0.2)
+        waiter = start_cli(root, tmp_path / "waiter.json", store, longer)
+        while "is computing it" not in (tmp_path / "waiter.log").read_text():
+            assert waiter.poll() is None, (tmp_path / "waiter.log").read_text()[-3000:]
+            assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the second run never waited"
+            time.sleep(0.2)
+        [folder] = root.glob("sft/*")
+        while "injected hang at sft 21" not in (tmp_path / "holder.log").read_text():
+            assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run never reached SFT step 21"
+            time.sleep(0.2)
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    except BaseException:  # a failed check must not leave the hung holder, or the waiter, running
+        for proc in (holder, waiter):
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        raise
     assert _committed_steps(folder) == [10, 20]
     result = finish(waiter, tmp_path / "waiter.json")
     sft = next(s for s in result["stages"] if s["stage"] == "sft")
