@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -182,19 +181,9 @@ def converted(ref: str) -> Path:
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     path = _local_file(ref, root)
-    dest = root / storage.file_sha256(path)[:16]
-    if (dest / ".complete").exists():
-        return dest
-    with open(root / f".{dest.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (dest / ".complete").exists():
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{dest.name}."))
-            try:
-                convert(path, tmp)
-                (tmp / "source.txt").write_text(f"converted from {ref}\n")
-                (tmp / ".complete").touch()
-                shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier conversion
-                os.replace(tmp, dest)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+    def fill(tmp: Path) -> None:
+        convert(path, tmp)
+        (tmp / "source.txt").write_text(f"converted from {ref}\n")
+
+    return storage.fill_once(root / storage.file_sha256(path)[:16], fill)

@@ -221,22 +221,30 @@ def local_dir(url: str, cache_root: str | Path | None = None, version: str | Non
     recomputed at the same URL is downloaded again. One process downloads; the others wait for it."""
     if not is_remote(url):
         return Path(fs_for(url)[1])
-    import fcntl
-
     fs, path = fs_for(url)
     root = Path(cache_root or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
     root.mkdir(parents=True, exist_ok=True)
     dest = root / hashlib.sha256(f"{url}@{version or ''}".encode()).hexdigest()[:16]
+    return fill_once(dest, lambda tmp: _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp),
+                                                                                recursive=True)))
+
+
+def fill_once(dest: Path, fill) -> Path:
+    """`dest`, filled by `fill(tmp_folder)` the first time: one process fills (the others wait on a
+    lock the OS releases if it dies), the folder appears whole or not at all, and `.complete` marks
+    it; an incomplete earlier folder is replaced."""
+    import fcntl
+
     if (dest / ".complete").exists():
         return dest
-    with open(root / f".{dest.name}.lock", "w") as lock:
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
         if not (dest / ".complete").exists():
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{dest.name}."))
+            tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
             try:
-                _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp), recursive=True))
+                fill(tmp)
                 (tmp / ".complete").touch()
-                shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier download
+                shutil.rmtree(dest, ignore_errors=True)  # an incomplete earlier folder
                 os.replace(tmp, dest)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
