@@ -15,7 +15,7 @@ from tasks.common import work_dir_for
 from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
-from trainer.gguf_source import GGUFError, is_registry, registry_dir
+from trainer.gguf_source import GGUFError, is_registry, registry_dir, registry_parts
 from trainer.model import pretrained_kind
 
 
@@ -25,11 +25,11 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
     gguf = model and ref.lower().endswith(".gguf")  # a file, converted to a folder at first use
     if model and is_registry(ref):
         try:
-            folder = registry_dir(ref)
+            _, member = registry_parts(ref)
         except GGUFError as exc:
             problems.append(str(exc))
             return
-        member = ref.rsplit("/", 1)[-1]
+        folder = registry_dir(ref)
         where = "found" if (folder / member).is_file() else "fetched from the package registry on first use"
         notes.append(f"{field}: {ref} (a GGUF file in a registry package, {where}: {folder / member}; "
                      "converted once into the cache)")
