@@ -208,16 +208,20 @@ def test_compiled_step_rejects_what_it_cannot_read(char_tok, monkeypatch):
     B, H, hd, T = 2, 8, 4, 6
     f = lambda *s: torch.zeros(*s)  # noqa: E731
     positions = torch.tensor([1, 2])
-    args = [f(B, H), f(H), 1e-6, f(H, 4 * hd), None, f(2 * hd, H), None, f(H), 1e-6, f(H, 16), f(8, H), None, 0.0,
-            None, 0.0, f(T, hd), f(T, hd), positions, f(B, 1, hd, T), f(B, 1, T, hd), 2,
-            torch.ones(B, T, dtype=torch.bool), 0.5, 2, 1]
+    # weights as a Linear stores them, [out, in]: q 2 heads, k and v 1 KV head, MLP 8 wide
+    args = [f(B, H), f(H), 1e-6, f(2 * hd, H), f(hd, H), f(hd, H), None, None, None, f(H, 2 * hd), None, f(H), 1e-6,
+            f(8, H), f(8, H), f(H, 8), None, 0.0, None, 0.0, f(T, hd), f(T, hd), positions, f(B, 1, hd, T),
+            f(B, 1, T, hd), 2, torch.ones(B, T, dtype=torch.bool), 0.5, 2, 1]
     op(*args)  # well-formed: runs
     refused = {
         0: (f(B, H).double(), "h must be a contiguous float32 CPU tensor"),
-        18: (f(B, 1, T, hd).transpose(2, 3), "kc must be a contiguous float32"),
-        20: (T, "shapes disagree"),
-        17: (torch.tensor([1, T]), f"position {T} is past the rotary table"),
-        21: (torch.ones(B, T, dtype=torch.int64), "valid must be contiguous bool"),
+        3: (f(2 * hd, H).T, "wq must be a contiguous float32"),
+        15: (f(8, H + 1), "shapes disagree"),
+        6: (f(3), "shapes disagree"),
+        23: (f(B, 1, T, hd).transpose(2, 3), "kc must be a contiguous float32"),
+        25: (T, "shapes disagree"),
+        22: (torch.tensor([1, T]), f"position {T} is past the rotary table"),
+        26: (torch.ones(B, T, dtype=torch.int64), "valid must be contiguous bool"),
     }
     for i, (value, message) in refused.items():
         bad = list(args)

@@ -73,7 +73,8 @@ def test_logprobs_and_gradients_are_the_models_own(kind, shape):
     batch = _batch(len(shape[0]), *shape)
     want_lp, want = _logprobs_and_grads(model, hf_prefix_logits, batch, 0.05)
     got_lp, got = _logprobs_and_grads(model, fasttrain.prefix_logits, batch, 0.05)
-    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=2e-5)
+    # two float32 summation orders (the compiled products against MKL's): log-probs up to ~12 in size
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=2e-5)
     assert set(got) == set(want) and len(want) == len(list(model.parameters()))
     for name, g in want.items():
         err = float((got[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))

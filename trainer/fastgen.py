@@ -7,8 +7,8 @@ decoder runs the same layers with the same weights as plain tensor code:
 - a preallocated KV cache per layer, written in place: keys transposed ([B, kv_heads, head_dim,
   prompt + max_new]: a query's scores over the cache are one vector sweep a dimension), values
   [B, kv_heads, prompt + max_new, head_dim];
-- q/k/v and gate/up projections fused into one matmul each, weights stored transposed (packed
-  again at every call: it costs about one decoding step);
+- the weights read as the model stores them ([out, in]), nothing copied or packed per call; with
+  the compiled kernels every product runs `trainer/csrc/gemm.h`'s dot form, else `F.linear`;
 - the samples of one prompt share its prefill;
 - rotary cos/sin from the model's own rotary module, computed once for every position;
 - grouped-query attention as SDPA over [B, kv_heads, groups, head_dim] queries (no K/V repeat);
@@ -120,14 +120,15 @@ def sample(scores: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ b) with W^T stored contiguous: MKL runs these thin matmuls ~10 % faster than F.linear's."""
-    y = x @ weight_t
-    return y if bias is None else y + bias
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool) -> torch.Tensor:
+    """x @ W^T (+ b) over x's last dimension, W [out, in]: the compiled dot-form product, else F.linear."""
+    if not compiled:
+        return F.linear(x, weight, bias)
+    return torch.ops.posttrain.linear_fwd(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
 
 
 class _Layer:
-    __slots__ = ("ln1", "ln2", "wqkv", "bqkv", "wo", "bo", "wgu", "wd", "qn", "kn")
+    __slots__ = ("ln1", "ln2", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "wg", "wu", "wd", "qn", "kn")
 
 
 class FastDecoder:
@@ -147,9 +148,8 @@ class FastDecoder:
 
     # -- weights
     def _pack(self) -> None:
-        """Pack the weights as they are now. Done at every decode call: optimizers (DeepSpeed's among
-        them) may write through `.data`, which no version counter sees, and the copy costs about one
-        decoding step."""
+        """The weights as they are now (references, no copies). Taken at every decode call: an
+        optimizer (DeepSpeed's among them) may replace a parameter's `.data`."""
         inner = self.model.model
         layers = []
         with torch.no_grad():
@@ -158,13 +158,10 @@ class FastDecoder:
                 L = _Layer()
                 L.ln1 = (block.input_layernorm.weight.detach(), block.input_layernorm.variance_epsilon)
                 L.ln2 = (block.post_attention_layernorm.weight.detach(), block.post_attention_layernorm.variance_epsilon)
-                L.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().t().contiguous()
-                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-                L.bqkv = torch.cat(biases).detach() if all(b is not None for b in biases) else None
-                L.wo = a.o_proj.weight.detach().t().contiguous()
-                L.bo = a.o_proj.bias.detach() if a.o_proj.bias is not None else None
-                L.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().t().contiguous()
-                L.wd = m.down_proj.weight.detach().t().contiguous()
+                L.wq, L.wk, L.wv, L.wo = (p.weight.detach().contiguous() for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+                L.bq, L.bk, L.bv, L.bo = (p.bias.detach() if p.bias is not None else None
+                                          for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+                L.wg, L.wu, L.wd = (p.weight.detach().contiguous() for p in (m.gate_proj, m.up_proj, m.down_proj))
                 qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
                 L.qn = (qn.weight.detach(), qn.variance_epsilon) if qn is not None else None
                 L.kn = (kn.weight.detach(), kn.variance_epsilon) if kn is not None else None
@@ -172,7 +169,9 @@ class FastDecoder:
             self.layers = layers
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
-            self.head = self.model.get_output_embeddings().weight.detach().t().contiguous()
+            head = self.model.get_output_embeddings()
+            self.head = head.weight.detach().contiguous()
+            self.head_bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
             self.scaling = inner.layers[0].self_attn.scaling
             if self.cos is None:
                 pos = torch.arange(self.max_positions)[None]
@@ -199,8 +198,9 @@ class FastDecoder:
         # with the compiled kernels (the prefill of the compiled path), norms, rotary and SwiGLU are one
         # compiled pass each (`trainer/csrc/train_ops.cpp`), as the decoding steps' are
         ops = torch.ops.posttrain if self.kernel is not None else None
+        c = ops is not None
         x = _rms(h, *L.ln1) if ops is None else ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln1)[0].view(B, S, H)
-        qkv = _linear(x, L.wqkv, L.bqkv)
+        qkv = torch.cat([_linear(x, L.wq, L.bq, c), _linear(x, L.wk, L.bk, c), _linear(x, L.wv, L.bv, c)], dim=-1)
         fused_rotary = ops is not None and L.qn is None  # q/k norms come between the product and rotary
         if fused_rotary:
             qkv = ops.rotary(qkv.view(B * S, -1), cos.reshape(B * S, hd), sin.reshape(B * S, hd), nh + nkv, hd,
@@ -227,13 +227,13 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(qg, kcache[..., :end].transpose(2, 3), vcache[:, :, :end], attn_mask=m,
                                                scale=self.scaling)
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
-        h = h + _linear(o, L.wo, L.bo)
+        h = h + _linear(o, L.wo, L.bo, c)
         if ops is not None:
             x = ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln2)[0]
-            return h + (ops.swiglu_fwd(x @ L.wgu) @ L.wd).view(B, S, H)
+            gu = torch.cat([ops.linear_fwd(x, L.wg, None), ops.linear_fwd(x, L.wu, None)], dim=-1)
+            return h + ops.linear_fwd(ops.swiglu_fwd(gu), L.wd, None).view(B, S, H)
         x = _rms(h, *L.ln2)
-        gate, up = (x @ L.wgu).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ L.wd
+        return h + F.linear(F.silu(F.linear(x, L.wg)) * F.linear(x, L.wu), L.wd)
 
     def _step_compiled(self, ids: torch.Tensor, positions: torch.Tensor, caches, col: int,
                        valid: torch.Tensor) -> torch.Tensor:
@@ -241,11 +241,12 @@ class FastDecoder:
         (`trainer/kernels.py`); `valid` [B, >col] bool marks the cache columns each row attends."""
         h = F.embedding(ids, self.embed)  # [B, H]
         for L, (kc, vc) in zip(self.layers, caches):
-            self.kernel(h, L.ln1[0], L.ln1[1], L.wqkv, L.bqkv, L.wo, L.bo, L.ln2[0], L.ln2[1], L.wgu, L.wd,
-                        L.qn[0] if L.qn else None, L.qn[1] if L.qn else 0.0, L.kn[0] if L.kn else None,
+            self.kernel(h, L.ln1[0], L.ln1[1], L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.bo, L.ln2[0], L.ln2[1],
+                        L.wg, L.wu, L.wd, L.qn[0] if L.qn else None, L.qn[1] if L.qn else 0.0, L.kn[0] if L.kn else None,
                         L.kn[1] if L.kn else 0.0, self.cos, self.sin, positions, kc, vc, col, valid, self.scaling,
                         self.heads, self.kv_heads)
-        return torch.ops.posttrain.rms_norm_fwd(h, *self.norm)[0] @ self.head
+        return torch.ops.posttrain.linear_fwd(torch.ops.posttrain.rms_norm_fwd(h, *self.norm)[0], self.head,
+                                              self.head_bias)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, caches, start: int,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -254,7 +255,7 @@ class FastDecoder:
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, hd]
         for L, (kc, vc) in zip(self.layers, caches):
             h = self._block(L, h, cos, sin, kc, vc, start, mask)
-        return _rms(h[:, -1], *self.norm) @ self.head
+        return _linear(_rms(h[:, -1], *self.norm), self.head, self.head_bias, self.kernel is not None)
 
     @staticmethod
     def _sample_step(logits: torch.Tensor, t: int, eos: int, temperature: float, top_p: float, min_new: int,

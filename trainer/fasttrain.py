@@ -4,8 +4,9 @@ The update's forward and backward on a small model spend as long around the matr
 them: HF's layer runs RMSNorm, rotary and SwiGLU as 3 to 10 torch ops each, forward and backward,
 every one a trip through memory. Here the same layer runs on the model's own parameters with
 
-- q/k/v and gate/up each one matrix product (the weights concatenated at every call: gradients
-  reach the parameters through the concatenation);
+- every linear layer's forward and both gradients as `trainer/csrc/gemm.h`'s products on the
+  weights as stored ([out, in]); q/k/v and gate/up share one call with their outputs side by side,
+  and each weight's gradient comes back as its own tensor (nothing concatenated or split);
 - RMSNorm, rotary and SwiGLU each one pass forward and one backward, compiled
   (`trainer/csrc/train_ops.cpp`, wrapped below as autograd Functions);
 - attention as torch's SDPA on the same masks as the model's, query heads reading their shared KV
@@ -90,8 +91,34 @@ class _SwiGLU(torch.autograd.Function):
         return torch.ops.posttrain.swiglu_bwd(dact.contiguous(), gu)
 
 
-def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
-    return None if any(t is None for t in ts) else torch.cat(ts)
+class _Linear(torch.autograd.Function):
+    """x @ [W_1; ...; W_n]^T (+ biases): the n weights' outputs side by side along the last dimension.
+    Called as apply(x, n, W_1..W_n, b_1..b_n), a bias None where there is none; x [rows, in]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int, *weights_biases: torch.Tensor | None) -> torch.Tensor:
+        ws, bs = weights_biases[:n], weights_biases[n:]
+        x = x.contiguous()
+        ys = [torch.ops.posttrain.linear_fwd(x, w, b) for w, b in zip(ws, bs)]
+        ctx.save_for_backward(x, *ws)
+        ctx.widths, ctx.biased = [w.shape[0] for w in ws], [b is not None for b in bs]
+        return ys[0] if n == 1 else torch.cat(ys, dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, *ws = ctx.saved_tensors
+        n = len(ws)
+        parts = dy.contiguous().split(ctx.widths, dim=-1)  # views: the kernels read rows at dy's stride
+        dx = None
+        if ctx.needs_input_grad[0]:
+            for p, w in zip(parts, ws):
+                d = torch.ops.posttrain.linear_dx(p, w)
+                dx = d if dx is None else dx.add_(d)
+        dws = [torch.ops.posttrain.linear_dw(p, x) if ctx.needs_input_grad[2 + i] else None
+               for i, p in enumerate(parts)]
+        dbs = [p.sum(0) if biased and ctx.needs_input_grad[2 + n + i] else None
+               for i, (p, biased) in enumerate(zip(parts, ctx.biased))]
+        return dx, None, *dws, *dbs
 
 
 def _rotary_tables(inner: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +136,8 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     a, m = block.self_attn, block.mlp
     ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
     x = _RMSNorm.apply(h.reshape(B * S, H), ln1.weight, ln1.variance_epsilon)
-    qkv = F.linear(x, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                   _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+    qkv = _Linear.apply(x, 3, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_proj.bias, a.k_proj.bias,
+                        a.v_proj.bias)
     qkv = _Rotary.apply(qkv, cos, sin, heads + kv_heads, hd)
     q, k, v = qkv.view(B, S, heads + 2 * kv_heads, hd).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     own = (k, v)
@@ -119,10 +146,10 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     # query heads share their KV head inside the kernel (HF repeats K/V into copies, and sums their gradients)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, enable_gqa=heads != kv_heads)
     o = o.transpose(1, 2).reshape(B * S, heads * hd)
-    h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias).view(B, S, H)
+    h = h + _Linear.apply(o, 1, a.o_proj.weight, a.o_proj.bias).view(B, S, H)
     x = _RMSNorm.apply(h.reshape(B * S, H), ln2.weight, ln2.variance_epsilon)
-    gu = F.linear(x, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-    h = h + F.linear(_SwiGLU.apply(gu), m.down_proj.weight).view(B, S, H)
+    gu = _Linear.apply(x, 2, m.gate_proj.weight, m.up_proj.weight, None, None)
+    h = h + _Linear.apply(_SwiGLU.apply(gu), 1, m.down_proj.weight, None).view(B, S, H)
     return h, own
 
 
@@ -131,7 +158,7 @@ def _logits(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     B, S, H = h.shape
     x = _RMSNorm.apply(h.reshape(B * S, H), inner.norm.weight, inner.norm.variance_epsilon)
     head = model.get_output_embeddings()
-    return F.linear(x, head.weight, getattr(head, "bias", None)).view(B, S, -1)
+    return _Linear.apply(x, 1, head.weight, getattr(head, "bias", None)).view(B, S, -1)
 
 
 def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,

@@ -24,7 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_layer.cpp", "train_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_layer.cpp", "train_ops.cpp", "gemm.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "gemm.h"]
 ARCH_FLAGS = {  # torch's CPU capability -> the macro and flags its vector headers expect
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
                "-mavx512bw", "-mfma"],
@@ -52,7 +53,7 @@ def build_dir() -> Path:
     import torch
 
     cap = _capability()
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)
                          + f"|{torch.__version__}|{cap}|{sys.version_info[:2]}".encode())
     return cache_root() / f"kernels-{cap.lower()}-{key.hexdigest()[:12]}"
 

@@ -3,8 +3,9 @@
 // The same arithmetic as trainer/fastgen.py's `_block` at S = 1, with everything between the four
 // matrix products done in one pass over each row instead of ~25 separate torch ops (each a dispatch,
 // an allocation and a trip through memory: at batch 64 they cost more than the products). The
-// products themselves stay torch's (MKL / oneDNN). Results agree with `_block` up to float rounding;
-// tests/test_fastgen.py checks that, and greedy tokens identical to HF `generate`'s through it.
+// products are gemm.h's dot form on the weights as the model stores them ([out, in]): nothing is
+// transposed or packed per call. Results agree with `_block` up to float rounding; tests/test_fastgen.py
+// checks that, and greedy tokens identical to HF `generate`'s through it.
 //
 // Built on first use by trainer/kernels.py (torch.utils.cpp_extension), registered as
 // torch.ops.posttrain.decode_layer.
@@ -15,6 +16,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "gemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,6 +26,7 @@
 
 namespace {
 
+using posttrain::gemm_nt;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kRowGrain = 8;  // rows a thread takes at least
 
@@ -148,24 +152,35 @@ void check(const at::Tensor& t, const char* name) {
 // cache are one vector sweep a dimension, not a horizontal sum a key) and vc [B, kv_heads, T, hd];
 // valid [B, T] (bool) says which cache columns a row attends (pads do not); cos / sin [positions, hd]
 // are the rotary tables (sin with rotate-half's sign), read at each row's `positions` entry.
-void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const at::Tensor& wqkv,
-                  const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
-                  const at::Tensor& ln2, double eps2, const at::Tensor& wgu, const at::Tensor& wd,
+void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const at::Tensor& wq, const at::Tensor& wk,
+                  const at::Tensor& wv, const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk,
+                  const std::optional<at::Tensor>& bv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
+                  const at::Tensor& ln2, double eps2, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                   const std::optional<at::Tensor>& qn, double qn_eps, const std::optional<at::Tensor>& kn,
                   double kn_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                   const at::Tensor& kc, const at::Tensor& vc, int64_t col, const at::Tensor& valid, double scaling,
                   int64_t heads, int64_t kv_heads) {
-  for (auto& [t, name] : {std::pair{&h, "h"}, {&ln1, "ln1"}, {&wqkv, "wqkv"}, {&wo, "wo"}, {&ln2, "ln2"},
-                          {&wgu, "wgu"}, {&wd, "wd"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "kc"}, {&vc, "vc"}}) {
+  for (auto& [t, name] : {std::pair{&h, "h"}, {&ln1, "ln1"}, {&wq, "wq"}, {&wk, "wk"}, {&wv, "wv"}, {&wo, "wo"},
+                          {&ln2, "ln2"}, {&wg, "wg"}, {&wu, "wu"}, {&wd, "wd"}, {&cos, "cos"}, {&sin, "sin"},
+                          {&kc, "kc"}, {&vc, "vc"}}) {
     check(*t, name);
+  }
+  for (auto& [t, name] : {std::pair{&bq, "bq"}, {&bk, "bk"}, {&bv, "bv"}, {&bo, "bo"}}) {
+    if (t->has_value()) check(**t, name);
   }
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous(), "decode_layer: valid must be contiguous bool");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "decode_layer: positions must be contiguous int64");
   const int64_t B = h.size(0), H = h.size(1), hd = kc.size(2), T = kc.size(3);
-  const int64_t groups = heads / kv_heads, I = wgu.size(1) / 2, Tv = valid.size(1), P = cos.size(0);
+  const int64_t groups = heads / kv_heads, I = wg.size(0), Tv = valid.size(1), P = cos.size(0);
+  // weights as a Linear stores them, [out, in]
   TORCH_CHECK(col < T && col < Tv && kc.size(0) == B && valid.size(0) == B && positions.size(0) == B &&
-              vc.size(2) == T && vc.size(3) == hd && cos.size(1) == hd && sin.size(0) == P,
+              vc.size(2) == T && vc.size(3) == hd && cos.size(1) == hd && sin.size(0) == P &&
+              wq.size(0) == heads * hd && wk.size(0) == kv_heads * hd && wv.size(0) == kv_heads * hd &&
+              wq.size(1) == H && wk.size(1) == H && wv.size(1) == H && wo.size(0) == H && wo.size(1) == heads * hd &&
+              wu.size(0) == I && wg.size(1) == H && wu.size(1) == H && wd.size(0) == H && wd.size(1) == I &&
+              (!bq.has_value() || bq->numel() == heads * hd) && (!bk.has_value() || bk->numel() == kv_heads * hd) &&
+              (!bv.has_value() || bv->numel() == kv_heads * hd) && (!bo.has_value() || bo->numel() == H),
               "decode_layer: shapes disagree");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -178,8 +193,15 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
   float* xp = x.data_ptr<float>();
   const float* l1 = ln1.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rms_norm(hp + b * H, l1, eps1, xp + b * H, H);
-  at::Tensor qkv = bqkv.has_value() ? at::addmm(*bqkv, x, wqkv) : at::mm(x, wqkv);
-  const int64_t width = qkv.size(1);
+  const int64_t width = (heads + 2 * kv_heads) * hd;
+  at::Tensor qkv = at::empty({B, width}, h.options());
+  {
+    float* out = qkv.data_ptr<float>();
+    auto bias = [](const std::optional<at::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nullptr; };
+    gemm_nt(xp, H, wq.data_ptr<float>(), H, bias(bq), out, width, B, heads * hd, H);
+    gemm_nt(xp, H, wk.data_ptr<float>(), H, bias(bk), out + heads * hd, width, B, kv_heads * hd, H);
+    gemm_nt(xp, H, wv.data_ptr<float>(), H, bias(bv), out + (heads + kv_heads) * hd, width, B, kv_heads * hd, H);
+  }
   float* qp = qkv.data_ptr<float>();
   float* kcp = kc.data_ptr<float>();
   float* vcp = vc.data_ptr<float>();
@@ -237,13 +259,17 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
     }
   }
   });
-  at::Tensor attn = bo.has_value() ? at::addmm(*bo, o, wo) : at::mm(o, wo);
-  h.add_(attn);
+  at::Tensor proj = at::empty({B, H}, h.options());
+  gemm_nt(op, heads * hd, wo.data_ptr<float>(), heads * hd, bo.has_value() ? bo->data_ptr<float>() : nullptr,
+          proj.data_ptr<float>(), H, B, H, heads * hd);
+  h.add_(proj);
 
   // MLP half: norm, gate/up, silu(gate) * up, down
   const float* l2 = ln2.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rms_norm(hp + b * H, l2, eps2, xp + b * H, H);
-  at::Tensor gu = at::mm(x, wgu);
+  at::Tensor gu = at::empty({B, 2 * I}, h.options());
+  gemm_nt(xp, H, wg.data_ptr<float>(), H, nullptr, gu.data_ptr<float>(), 2 * I, B, I, H);
+  gemm_nt(xp, H, wu.data_ptr<float>(), H, nullptr, gu.data_ptr<float>() + I, 2 * I, B, I, H);
   at::Tensor act = at::empty({B, I}, h.options());
   float* gp = gu.data_ptr<float>();
   float* ap = act.data_ptr<float>();
@@ -256,7 +282,8 @@ void decode_layer(const at::Tensor& h, const at::Tensor& ln1, double eps1, const
       at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, a, gate, up, I);
     }
   });
-  h.add_(at::mm(act, wd));
+  gemm_nt(ap, I, wd.data_ptr<float>(), I, nullptr, proj.data_ptr<float>(), H, B, H, I);
+  h.add_(proj);
 }
 
 // One sampled token a row of logits [B, V] at temperature T > 0, and its log-probability under the

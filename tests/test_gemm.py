@@ -1,0 +1,85 @@
+"""The compiled matrix products (`trainer/csrc/gemm.cpp`) against float64 references, on every tile
+remainder (rows, columns and the summed dimension not multiples of the tiles or the vector width),
+strided rows, a summed dimension past the cache block, and from run to run the same bits."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from trainer import kernels
+
+
+@pytest.fixture(scope="module")
+def ops():
+    op = kernels.ops()
+    assert op is not None, "the compiled kernels did not build: `python -m trainer.kernels -v`"
+    return op
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 sums of up to a few thousand terms: relative to the largest output."""
+    scale = want.abs().max().item() or 1.0
+    err = (got.double() - want).abs().max().item() / scale
+    assert err < 2e-6, err
+
+
+SIZES = [1, 3, 4, 5, 8, 9, 17, 33, 70]
+
+
+@pytest.mark.parametrize("M,N", list(itertools.product([1, 2, 5, 8, 13, 67], [1, 3, 4, 7, 16, 49, 130])))
+def test_linear_forward_and_both_gradients_on_every_remainder(ops, M, N):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    for K in (1, 7, 16, 33, 300):
+        x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+        dy = torch.randn(M, N, generator=g)
+        _close(ops.linear_fwd(x, w, None), x.double() @ w.double().T)
+        _close(ops.linear_fwd(x, w, b), x.double() @ w.double().T + b.double())
+        _close(ops.linear_dx(dy, w), dy.double() @ w.double())
+        _close(ops.linear_dw(dy, x), dy.double().T @ x.double())
+
+
+def test_long_sums_past_the_cache_block_and_strided_rows(ops):
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(600, 1100, generator=g)
+    x = big[:, 37:37 + 576]  # rows strided by 1100, columns contiguous
+    w = torch.randn(1000, 576, generator=g)
+    dy = torch.randn(600, 1000, generator=g)
+    _close(ops.linear_fwd(x, w, None), x.double() @ w.double().T)
+    _close(ops.linear_dx(dy, w), dy.double() @ w.double())         # sums 1000 terms: 4 blocks of 256
+    _close(ops.linear_dw(dy, x), dy.double().T @ x.double())       # 600 terms, 1000 x 576 out
+    _close(ops.linear_dw(dy[:0], x[:0]), torch.zeros(1000, 576, dtype=torch.float64))  # an empty sum is 0
+
+
+def test_same_bits_whatever_the_thread_count(ops):
+    """Each output is summed by one thread in one order: 1 and 2 threads give identical bits."""
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = torch.randn(130, 576, generator=g), torch.randn(1536, 576, generator=g), torch.randn(130, 1536, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((ops.linear_fwd(x, w, None), ops.linear_dx(dy, w), ops.linear_dw(dy, x)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_bad_operands_are_refused_by_name(ops):
+    x, w = torch.randn(4, 8), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="linear_fwd: shapes disagree"):
+        ops.linear_fwd(x, torch.randn(5, 9), None)
+    with pytest.raises(RuntimeError, match="linear_fwd: x must be a 2-d float32"):
+        ops.linear_fwd(x.double(), w, None)
+    with pytest.raises(RuntimeError, match="linear_fwd: w must be a 2-d float32 CPU tensor with contiguous rows"):
+        ops.linear_fwd(x, torch.randn(8, 5).T, None)
+    with pytest.raises(RuntimeError, match="linear_fwd: b must be a contiguous float32"):
+        ops.linear_fwd(x, w, torch.randn(4))
+    with pytest.raises(RuntimeError, match="linear_dx: shapes disagree"):
+        ops.linear_dx(torch.randn(4, 6), w)
+    with pytest.raises(RuntimeError, match="linear_dw: shapes disagree"):
+        ops.linear_dw(torch.randn(3, 5), x)

@@ -1,0 +1,249 @@
+// See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linear_dx / linear_dw for
+// trainer/fasttrain.py's Linear and trainer/fastgen.py's output head; decode_layer.cpp calls
+// gemm_nt directly.
+
+#include "gemm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+namespace posttrain {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+// tiles sized to the vector registers: 32 with AVX-512, 16 with AVX2 (accumulators + operands)
+constexpr int NT_MR = W >= 16 ? 4 : 3;  // rows of A
+constexpr int NT_NR = W >= 16 ? 4 : 3;  // rows of B
+constexpr int KN_MR = W >= 16 ? 8 : 4;  // rows of C
+constexpr int KN_NV = 3;                // vectors of C's columns
+constexpr int64_t NT_MB = 64;           // rows of A a task keeps in cache
+constexpr int64_t NT_NCHUNK = 16;       // tiles of B a task takes
+constexpr int64_t KN_MB = 512;          // rows of C a task keeps in cache
+constexpr int64_t KN_KB = 256;          // rows of B summed before C is written
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+template <int MR, int NR>
+void nt_tile(const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C, int64_t ldc,
+             int64_t K) {
+  Vec acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + W <= K; k += W) {
+    Vec b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = Vec::loadu(B + j * ldb + k);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Vec::loadu(A + r * lda + k);
+      for (int j = 0; j < NR; ++j) acc[r][j] = at::vec::fmadd(a, b[j], acc[r][j]);
+    }
+  }
+  if (k < K) {  // the last partial vector, zero-filled past K
+    const int64_t n = K - k;
+    Vec b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = Vec::loadu(B + j * ldb + k, n);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Vec::loadu(A + r * lda + k, n);
+      for (int j = 0; j < NR; ++j) acc[r][j] = at::vec::fmadd(a, b[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) C[r * ldc + j] = bias ? hsum(acc[r][j]) + bias[j] : hsum(acc[r][j]);
+}
+
+template <int MR>
+void nt_cols(int nr, const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C,
+             int64_t ldc, int64_t K) {
+  switch (nr) {
+    case 1: return nt_tile<MR, 1>(A, lda, B, ldb, bias, C, ldc, K);
+    case 2: return nt_tile<MR, 2>(A, lda, B, ldb, bias, C, ldc, K);
+    case 3: return nt_tile<MR, 3>(A, lda, B, ldb, bias, C, ldc, K);
+    default: return nt_tile<MR, NT_NR>(A, lda, B, ldb, bias, C, ldc, K);
+  }
+}
+
+void nt_any(int mr, int nr, const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C,
+            int64_t ldc, int64_t K) {
+  switch (mr) {
+    case 1: return nt_cols<1>(nr, A, lda, B, ldb, bias, C, ldc, K);
+    case 2: return nt_cols<2>(nr, A, lda, B, ldb, bias, C, ldc, K);
+    case 3: return nt_cols<3>(nr, A, lda, B, ldb, bias, C, ldc, K);
+    default: return nt_cols<NT_MR>(nr, A, lda, B, ldb, bias, C, ldc, K);
+  }
+}
+
+// C tile [MR, NV vectors] (+)= A(MR rows, K) B[K, NV vectors]; `last` lanes of the last vector are real.
+template <int MR, int NV, bool FULL>
+void kn_tile(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K,
+             int64_t last, bool accumulate) {
+  Vec acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      const bool part = !FULL && v == NV - 1;
+      acc[r][v] = !accumulate ? Vec(0.f) : part ? Vec::loadu(C + r * ldc + v * W, last) : Vec::loadu(C + r * ldc + v * W);
+    }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    Vec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = (!FULL && v == NV - 1) ? Vec::loadu(b + v * W, last) : Vec::loadu(b + v * W);
+    const float* a = A + k * sak;
+    for (int r = 0; r < MR; ++r) {
+      const Vec ar(a[r * sam]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      if (!FULL && v == NV - 1) {
+        acc[r][v].store(C + r * ldc + v * W, last);
+      } else {
+        acc[r][v].store(C + r * ldc + v * W);
+      }
+    }
+}
+
+template <int MR, int NV>
+void kn_full(bool full, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc,
+             int64_t K, int64_t last, bool accumulate) {
+  if (full) return kn_tile<MR, NV, true>(A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+  return kn_tile<MR, NV, false>(A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+}
+
+template <int MR>
+void kn_cols(int nv, bool full, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C,
+             int64_t ldc, int64_t K, int64_t last, bool accumulate) {
+  switch (nv) {
+    case 1: return kn_full<MR, 1>(full, A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+    case 2: return kn_full<MR, 2>(full, A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+    default: return kn_full<MR, KN_NV>(full, A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+  }
+}
+
+void kn_any(int mr, int nv, bool full, const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb,
+            float* C, int64_t ldc, int64_t K, int64_t last, bool accumulate) {
+  switch (mr) {
+#define POSTTRAIN_KN_CASE(n) \
+  case n: return kn_cols<(n < KN_MR ? n : KN_MR)>(nv, full, A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+    POSTTRAIN_KN_CASE(1)
+    POSTTRAIN_KN_CASE(2)
+    POSTTRAIN_KN_CASE(3)
+    POSTTRAIN_KN_CASE(4)
+    POSTTRAIN_KN_CASE(5)
+    POSTTRAIN_KN_CASE(6)
+    POSTTRAIN_KN_CASE(7)
+#undef POSTTRAIN_KN_CASE
+    default: return kn_cols<KN_MR>(nv, full, A, sam, sak, B, ldb, C, ldc, K, last, accumulate);
+  }
+}
+
+}  // namespace
+
+void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C, int64_t ldc,
+             int64_t M, int64_t N, int64_t K) {
+  const int64_t n_tiles = (N + NT_NR - 1) / NT_NR;
+  const int64_t n_chunks = (n_tiles + NT_NCHUNK - 1) / NT_NCHUNK, m_blocks = (M + NT_MB - 1) / NT_MB;
+  // a task: one block of A's rows against a chunk of B's tiles (disjoint parts of C)
+  at::parallel_for(0, m_blocks * n_chunks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t m_lo = (task / n_chunks) * NT_MB, m_hi = std::min(M, m_lo + NT_MB);
+      const int64_t t_lo = (task % n_chunks) * NT_NCHUNK, t_hi = std::min(n_tiles, t_lo + NT_NCHUNK);
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const int64_t n0 = t * NT_NR;
+        const int nr = static_cast<int>(std::min<int64_t>(NT_NR, N - n0));
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += NT_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(NT_MR, m_hi - m0));
+          nt_any(mr, nr, A + m0 * lda, lda, B + n0 * ldb, ldb, bias ? bias + n0 : nullptr, C + m0 * ldc + n0, ldc, K);
+        }
+      }
+    }
+  });
+}
+
+void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
+             int64_t N, int64_t K, bool accumulate) {
+  constexpr int64_t TW = KN_NV * W;  // columns of a tile
+  const int64_t col_tiles = (N + TW - 1) / TW, m_blocks = (M + KN_MB - 1) / KN_MB;
+  if (K == 0) {  // an empty sum
+    if (!accumulate)
+      for (int64_t m = 0; m < M; ++m) std::fill(C + m * ldc, C + m * ldc + N, 0.f);
+    return;
+  }
+  at::parallel_for(0, m_blocks * col_tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t m_lo = (task / col_tiles) * KN_MB, m_hi = std::min(M, m_lo + KN_MB);
+      const int64_t n0 = (task % col_tiles) * TW, cols = std::min(TW, N - n0);
+      const int nv = static_cast<int>((cols + W - 1) / W);
+      const int64_t last = cols - (nv - 1) * W;
+      for (int64_t k0 = 0; k0 < K; k0 += KN_KB) {  // k ascending for every output: a fixed order
+        const int64_t kb = std::min(KN_KB, K - k0);
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += KN_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(KN_MR, m_hi - m0));
+          kn_any(mr, nv, last == W, A + m0 * sam + k0 * sak, sam, sak, B + k0 * ldb + n0, ldb, C + m0 * ldc + n0, ldc,
+                 kb, last, accumulate || k0 > 0);
+        }
+      }
+    }
+  });
+}
+
+namespace {
+
+void check2d(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1,
+              op, ": ", name, " must be a 2-d float32 CPU tensor with contiguous rows");
+}
+
+// y = x w^T (+ b): x [M, K], w [N, K] (a Linear's weight as stored), b [N]
+at::Tensor linear_fwd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  check2d(x, "linear_fwd", "x");
+  check2d(w, "linear_fwd", "w");
+  TORCH_CHECK(x.size(1) == w.size(1), "linear_fwd: shapes disagree: x ", x.sizes(), ", w ", w.sizes());
+  if (b.has_value()) {
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == w.size(0),
+                "linear_fwd: b must be a contiguous float32 [", w.size(0), "]");
+  }
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  gemm_nt(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0),
+          b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.size(1), x.size(0), w.size(0),
+          x.size(1));
+  return y;
+}
+
+// dx = dy w: dy [M, N], w [N, K]
+at::Tensor linear_dx(const at::Tensor& dy, const at::Tensor& w) {
+  check2d(dy, "linear_dx", "dy");
+  check2d(w, "linear_dx", "w");
+  TORCH_CHECK(dy.size(1) == w.size(0), "linear_dx: shapes disagree: dy ", dy.sizes(), ", w ", w.sizes());
+  at::Tensor dx = at::empty({dy.size(0), w.size(1)}, dy.options());
+  gemm_kn(dy.data_ptr<float>(), dy.stride(0), 1, w.data_ptr<float>(), w.stride(0), dx.data_ptr<float>(), dx.size(1),
+          dy.size(0), w.size(1), dy.size(1), false);
+  return dx;
+}
+
+// dw = dy^T x: dy [M, N], x [M, K] -> [N, K]
+at::Tensor linear_dw(const at::Tensor& dy, const at::Tensor& x) {
+  check2d(dy, "linear_dw", "dy");
+  check2d(x, "linear_dw", "x");
+  TORCH_CHECK(dy.size(0) == x.size(0), "linear_dw: shapes disagree: dy ", dy.sizes(), ", x ", x.sizes());
+  at::Tensor dw = at::empty({dy.size(1), x.size(1)}, dy.options());
+  gemm_kn(dy.data_ptr<float>(), 1, dy.stride(0), x.data_ptr<float>(), x.stride(0), dw.data_ptr<float>(), dw.size(1),
+          dy.size(1), x.size(1), dy.size(0), false);
+  return dw;
+}
+
+}  // namespace
+}  // namespace posttrain
+
+TORCH_LIBRARY_FRAGMENT(posttrain, m) {
+  m.def("linear_fwd", &posttrain::linear_fwd);
+  m.def("linear_dx", &posttrain::linear_dx);
+  m.def("linear_dw", &posttrain::linear_dw);
+}
