@@ -113,8 +113,9 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
     full, full_ent = token_logprobs(model, b.ids, b.attn, with_entropy=True, temperature=0.7)
     shared, shared_ent = shared_prefix_logprobs(model, b.ids, b.attn, b.prompt_len, with_entropy=True,
                                                 temperature=0.7)
-    assert ((full - shared).abs() * b.mask).max() < 2e-5
-    assert ((full_ent - shared_ent).abs() * b.mask).max() < 2e-5
+    # two float32 summation orders (the compiled products against MKL's), log-probs up to ~17 in size
+    assert (((full - shared).abs() - 1e-5 * full.abs()) * b.mask).max() < 2e-5
+    assert (((full_ent - shared_ent).abs() - 1e-5 * full_ent.abs()) * b.mask).max() < 2e-5
     assert (shared * (1 - b.mask)).abs().max() == 0  # nothing outside the responses
     params = list(model.parameters())
     g_full = torch.autograd.grad(((full + 0.1 * full_ent) * b.mask).sum(), params)
