@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @functools.cache
 def code_version() -> str:
-    """Hash of the pipeline's own source (trainer/ and tasks/, the C++ decoding kernel included):
+    """Hash of the pipeline's own source (trainer/ and tasks/, the C++ kernels and their header included):
     any change invalidates caches."""
     h = hashlib.sha256()
     for pkg in ("trainer", "tasks"):
-        for f in sorted(x for x in (ROOT / pkg).rglob("*") if x.suffix in (".py", ".cpp")):
+        for f in sorted(x for x in (ROOT / pkg).rglob("*") if x.suffix in (".py", ".cpp", ".h")):
             h.update(f.relative_to(ROOT).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]

@@ -72,30 +72,51 @@ def step_gflop(shape: Shape) -> dict[str, float]:
 
 
 def linear_floor(shape: Shape, reps: int = 7) -> dict[str, float]:
-    """A lower bound on a step's seconds: its linear layers' matrix products alone, each timed as one
-    torch.mm at its own shape on this machine. Everything else (attention, norms, sampling, the
-    optimizer) counts as free; q/k/v and gate/up may be fused wherever that is faster; a group's
-    samples share one prompt pass (prefill and training) and the log-prob passes skip each
-    sample's last token. A target below it cannot be met here by any arrangement of the same fp32
-    math: only by less arithmetic or another precision."""
+    """A lower bound on a step's seconds: its linear layers' matrix products alone, each timed at its
+    own shape on this machine as the faster of torch.mm and posttrain's compiled product of that
+    layout (`trainer/csrc/gemm.cpp`: forward, input gradient, weight gradient), weights in cache.
+    Everything else (attention, norms, sampling, the optimizer, reading the weights from memory)
+    counts as free; q/k/v and gate/up may be fused wherever that is faster; a group's samples share
+    one prompt pass (prefill and training) and the log-prob passes skip each sample's last token. A
+    target below it cannot be met here by any arrangement of the same fp32 math with these products."""
     import torch
 
-    torch.set_num_threads(2)
-    seconds: dict[tuple[int, int, int], float] = {}
+    from trainer import kernels
 
-    def mm(m: int, k: int, n: int) -> float:
-        if (m, k, n) not in seconds:
-            a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.set_num_threads(2)
+    ops = kernels.ops()
+    seconds: dict[tuple, float] = {}
+
+    def best_of(key: tuple, fns) -> float:
+        if key not in seconds:
+            m, k, n = key[1:]
             calls = max(1, int(2e6 // (m * k * n // 64 + 1)))  # small products repeated, past the clock
-            a @ b
             best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    a @ b
-                best = min(best, (time.perf_counter() - t0) / calls)
-            seconds[(m, k, n)] = best
-        return seconds[(m, k, n)]
+            for f in fns:
+                f()
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        f()
+                    best = min(best, (time.perf_counter() - t0) / calls)
+            seconds[key] = best
+        return seconds[key]
+
+    def mm(m: int, k: int, n: int) -> float:  # (m x k) @ (k x n), as a forward: y = x W^T
+        if ("fwd", m, k, n) in seconds:
+            return seconds[("fwd", m, k, n)]
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        wt = w.T.contiguous()
+        fns = [lambda: x @ w.T, lambda: x @ wt] + ([lambda: ops.linear_fwd(x, w, None)] if ops else [])
+        return best_of(("fwd", m, k, n), fns)
+
+    def grads(m: int, k: int, n: int) -> float:  # the input's and the weight's gradient of y = x W^T
+        if ("dw", m, k, n) in seconds:
+            return seconds[("dx", m, k, n)] + seconds[("dw", m, k, n)]
+        x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        dx = best_of(("dx", m, k, n), [lambda: dy @ w] + ([lambda: ops.linear_dx(dy, w)] if ops else []))
+        dw = best_of(("dw", m, k, n), [lambda: dy.T @ x] + ([lambda: ops.linear_dw(dy, x)] if ops else []))
+        return dx + dw
 
     h, groups = shape.hidden, layer_linears(shape)
 
@@ -107,9 +128,6 @@ def linear_floor(shape: Shape, reps: int = 7) -> dict[str, float]:
 
     def forward(rows: int, head_rows: int) -> float:
         return shape.layers * sum(fastest(rows, g, mm) for g in groups) + mm(head_rows, h, vocab)
-
-    def grads(m: int, k: int, n: int) -> float:  # the input's and the weight's gradient of (m x k) @ (k x n)
-        return mm(m, n, k) + mm(k, m, n)
 
     def backward(rows: int, head_rows: int) -> float:
         return shape.layers * sum(fastest(rows, g, grads) for g in groups) + grads(head_rows, h, vocab)

@@ -121,4 +121,6 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
     g_full = torch.autograd.grad(((full + 0.1 * full_ent) * b.mask).sum(), params)
     g_shared = torch.autograd.grad(((shared + 0.1 * shared_ent) * b.mask).sum(), params)
     for a, c in zip(g_full, g_shared):
-        assert torch.allclose(a, c, rtol=1e-4, atol=1e-5 * a.abs().max())
+        # each float32 path lands up to ~1e-5 of the largest entry from the float64 gradient (measured:
+        # HF's 6.7e-6, the compiled products' 9.5e-6 on qwen2's k_proj), so they differ by up to twice that
+        assert torch.allclose(a, c, rtol=1e-4, atol=3e-5 * a.abs().max())
