@@ -322,7 +322,7 @@ def report(out: dict) -> None:
         s = SHAPES[shape]
         what = "SmolLM2-135M-Instruct, real weights, " if s.pretrained else ""
         print(f"[{shape}] {what}h{s.hidden} x{s.layers}, {s.batch} x {s.new_tokens} tokens, KL {s.kl}: "
-              f"{r['gflop_per_step']['total']:.1f} GFLOP/step, floor {r['floor_seconds']:.3f}s; "
+              f"{r['gflop_per_step']['total']:.1f} GFLOP/step, {r['floor_seconds']:.3f}s at the 2048^3 matmul rate; "
               f"posttrain decodes with its {p['decoder']}")
         rows = [("step s", t["step"], p["step"], q["step"]),
                 ("generation s", t["generate"], p["generate"], p["generate"] / t["generate"]),
@@ -330,7 +330,7 @@ def report(out: dict) -> None:
                  q["generation_tokens_per_second"]),
                 ("update s", t["update"], p["update"], q["update"]),
                 ("peak RSS MiB", t["peak_rss_mib"], p["peak_rss_mib"], q["peak_rss"]),
-                ("floor / step", t["floor_fraction"], p["floor_fraction"], p["floor_fraction"] / t["floor_fraction"])]
+                ("2048^3-rate s / step", t["floor_fraction"], p["floor_fraction"], p["floor_fraction"] / t["floor_fraction"])]
         for name, a, b, c in rows:
             print(f"  {name:<20}{a:>12,.3f}{b:>11,.3f}{c:>8.2f}")
         lin, goal = r["linear_floor_seconds"], r["targets_seconds"]

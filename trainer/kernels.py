@@ -1,6 +1,7 @@
 """posttrain's compiled CPU kernels, built on first use into one library: the fast decoder's step
-(`trainer/csrc/decode_layer.cpp`) and the training forward's fused elementwise ops
-(`trainer/csrc/train_ops.cpp`, used by `trainer/fasttrain.py`).
+(`trainer/csrc/decode_layer.cpp`), the training forward's fused elementwise ops
+(`trainer/csrc/train_ops.cpp`, used by `trainer/fasttrain.py`) and the float32 matrix products
+both use (`trainer/csrc/gemm.cpp`).
 
 It is built with torch's own extension builder against the installed torch, for the CPU's vector
 width as torch itself uses it (AVX-512, AVX2), into a cache outside the clone keyed by the source,
