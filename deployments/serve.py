@@ -1,5 +1,6 @@
 """`make serve`: a Prefect server, the `posttrain-local` process work pool and a worker, the MLflow
-UI, and every deployment in prefect.yaml -- all on 127.0.0.1. Ctrl-C stops everything it started.
+UI, and every deployment in prefect.yaml -- all on 127.0.0.1. Ctrl-C, SIGTERM or SIGHUP stops
+everything it started (SIGKILL to what is left after STOP_GRACE_S).
 
     python -m deployments.serve [--prefect-port 4200] [--mlflow-port 5000] [--pool-limit 2]
 
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 POOL = "posttrain-local"
 HOST = "127.0.0.1"
 POOL_LIMIT = 2
+STOP_GRACE_S = 10.0  # from SIGTERM to SIGKILL when stopping the services
 
 
 class PortTaken(RuntimeError):
@@ -53,22 +55,74 @@ class Services:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: Path | None = None
 
-    def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to every service's process group (its leader may be gone while a child lives on),
+        then, past `grace_s` in all, SIGKILL to every group: nothing it started outlives it."""
+        groups = [proc.pid for proc in reversed(list(self.procs.values()))]
+        _signal_groups(groups, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(_group_gone(g) for g in groups):
+            for proc in self.procs.values():
+                proc.poll()  # reap exited leaders, so that their groups can empty
+            time.sleep(0.1)
+        _signal_groups(groups, signal.SIGKILL)
         for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
 
     def check(self) -> None:
         """Raise if a service died (its log says why)."""
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / (name + '.log')}")
+
+
+def _signal_groups(groups: list[int], sig: int) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):  # the group is empty
+            pass
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    # only zombies left (leaders not yet reaped) count as gone
+    return all(_zombie(pid) for pid in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                out.append(int(d.name))
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class _Stop(Exception):
+    """A stop signal (SIGTERM, SIGHUP) arrived."""
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # one stop, not a stop interrupted by a second
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stop(signal.Signals(signum).name)
 
 
 def _bin(name: str) -> str:
@@ -156,28 +210,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-limit", type=int, default=POOL_LIMIT,
                    help="flow runs the work pool runs at once (later ones wait)")
     args = p.parse_args(argv)
+    # a process manager stops services with SIGTERM (systemd, supervisord, docker stop), a closed
+    # terminal with SIGHUP: both stop everything, as Ctrl-C does
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGHUP, _on_stop_signal)
+    services = None
     try:
         services = start(args.prefect_port, args.mlflow_port, pool_limit=args.pool_limit)
-    except PortTaken as exc:
-        print(f"make serve: {exc}", file=sys.stderr)
-        return 2
-    print(f"Prefect UI:   {services.prefect_url}   (API {services.prefect_url}/api)")
-    print(f"MLflow UI:    {services.mlflow_url}   (tracking {services.env['MLFLOW_TRACKING_URI']})")
-    print(f"work pool:    {POOL} (process, at most {args.pool_limit} runs at once), worker running; "
-          f"logs in {services.logs}")
-    print(f"Prefect home: {services.env['PREFECT_HOME']}")
-    print("deployments:  speedrun/speedrun-nightly (03:00 Europe/Berlin), speedrun/speedrun, sft/sft, grpo/grpo, eval/eval")
-    print(f"run one:      PREFECT_API_URL={services.prefect_url}/api .venv/bin/prefect deployment run speedrun/speedrun")
-    print("Ctrl-C stops everything.", flush=True)
-    try:
+        print(f"Prefect UI:   {services.prefect_url}   (API {services.prefect_url}/api)")
+        print(f"MLflow UI:    {services.mlflow_url}   (tracking {services.env['MLFLOW_TRACKING_URI']})")
+        if services.mlflow_url:
+            print(f"MLflow runs:  {runs_table(services)}")
+        print(f"work pool:    {POOL} (process, at most {args.pool_limit} runs at once), worker running; "
+              f"logs in {services.logs}")
+        print(f"Prefect home: {services.env['PREFECT_HOME']}")
+        print("deployments:  speedrun/speedrun-nightly (03:00 Europe/Berlin), speedrun/speedrun, sft/sft, grpo/grpo, "
+              "eval/eval")
+        print(f"run one:      PREFECT_API_URL={services.prefect_url}/api .venv/bin/prefect deployment run speedrun/speedrun")
+        print("Ctrl-C (or SIGTERM, SIGHUP) stops everything.", flush=True)
         while True:
             services.check()
             time.sleep(2)
+    except PortTaken as exc:
+        print(f"make serve: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("stopping ...")
+        print("stopping (Ctrl-C) ...", flush=True)
+    except _Stop as sig:  # a stop signal, at any point after the handlers were installed
+        print(f"stopping ({sig}) ...", flush=True)
     finally:
-        services.stop()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # let the stop finish
+            signal.signal(sig, signal.SIG_IGN)
+        if services is not None:  # (a failed `start` stopped what it had started)
+            services.stop()
     return 0
+
+
+def runs_table(services: Services, experiment: str = "posttrain") -> str:
+    """The served MLflow UI's runs table of `experiment`; before its first run (the pipeline creates
+    it, with the run's tracking settings), the list of experiments."""
+    from mlflow import MlflowClient
+
+    from tasks.pipeline import mlflow_ui_urls
+
+    exp = MlflowClient(tracking_uri=services.mlflow_url).get_experiment_by_name(experiment)
+    if exp is None:
+        return f"{services.mlflow_url}/#/experiments   (experiment {experiment!r}: created by the first run)"
+    return mlflow_ui_urls(exp.experiment_id, ui=services.mlflow_url)[0]
 
 
 if __name__ == "__main__":

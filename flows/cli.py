@@ -90,7 +90,14 @@ def print_summary(result: dict, seconds: float) -> None:
         console.print("against the best earlier nightly:")
         console.print(result["comparison"], markup=False, highlight=False)
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}")
-    console.print(f"open MLflow:  .venv/bin/mlflow ui --backend-store-uri {tracking_uri()} --port 5000")
+    from tasks.pipeline import mlflow_ui_urls
+
+    table, page = mlflow_ui_urls(result["mlflow_experiment_id"], result["mlflow_run_id"])
+    console.print(f"MLflow runs table: {table}", markup=False, highlight=False)
+    console.print(f"this run:          {page}", markup=False, highlight=False)
+    if not tracking_uri().startswith(("http://", "https://")):
+        console.print(f"  (served by `make serve`, or: .venv/bin/mlflow ui --backend-store-uri {tracking_uri()} --port 5000)",
+                      markup=False, highlight=False)
     console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
     console.print("or both, with the deployments and a worker: make serve")
 

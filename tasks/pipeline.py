@@ -45,6 +45,7 @@ class PipelineRun:
             "flow_name": self.flow_name,
             "preset": self.cfg.name,
             "mlflow_run_id": self.ref.parent_run_id,
+            "mlflow_experiment_id": self.ref.experiment_id,
             "flow_run_id": self.ref.flow_run_id,
             "headline": dict(self.headline),
             "registered_model": self.registered_model,
@@ -77,6 +78,18 @@ def experiment_id(client, name: str, artifact_location: str | None = None) -> st
         return client.create_experiment(name, artifact_location=artifact_location)
     except Exception:  # created meanwhile by a concurrent run
         return client.get_experiment_by_name(name).experiment_id
+
+
+def mlflow_ui_urls(experiment_id: str, run_id: str | None = None, ui: str | None = None) -> tuple[str, str | None]:
+    """The MLflow UI's runs table of an experiment, and a run's page: under `ui`, else the tracking
+    server when MLFLOW_TRACKING_URI is one, else where `make serve` (and `mlflow ui`) listen by default.
+    The experiment's own page opens on MLflow's GenAI overview; the table is one path further."""
+    from tasks.common import tracking_uri
+
+    uri = tracking_uri()
+    base = (ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")).rstrip("/")
+    table = f"{base}/#/experiments/{experiment_id}/runs"
+    return table, (f"{table}/{run_id}" if run_id else None)
 
 
 def _flow_run() -> tuple[str | None, str | None]:

@@ -46,6 +46,13 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path):
     assert "View at" not in proc.stderr + proc.stdout
     result = json.loads(out.read_text())
     assert result["flow_run_id"], "the flow ran without a Prefect flow run"
+    # the summary links MLflow's runs table of the run's experiment (its bare page is the GenAI overview)
+    from mlflow import MlflowClient
+
+    exp = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("posttrain")
+    table = f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
+    assert f"MLflow runs table: {table}\n" in proc.stdout, proc.stdout[-2000:]
+    assert f"this run:          {table}/{result['mlflow_run_id']}\n" in proc.stdout, proc.stdout[-2000:]
     assert not listening(int(m.group(1))), "the server outlived its command"
     import tempfile
 

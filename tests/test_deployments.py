@@ -6,6 +6,7 @@ triggered through the API and run by the worker; a stage made to fail once is re
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from tests.test_pipeline import SMALL
 
+ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 DEPLOYMENTS = {"speedrun/speedrun-nightly", "speedrun/speedrun", "sft/sft", "grpo/grpo", "eval/eval"}
 
@@ -130,6 +132,11 @@ def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served,
     assert {"sft_accuracy", "final_accuracy", "wall_seconds"} <= set(parent.data.metrics)
     assert [c.data.tags["posttrain.stage"] for c in children] == ["prepare_data", "tokenizer", "sft", "eval",
                                                                      "grpo", "eval"]
+    # what `make serve` prints for MLflow: the runs table of the experiment the run went to
+    from deployments.serve import runs_table
+
+    assert runs_table(served) == f"{served.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs"
+    assert runs_table(served, "no-such-experiment").startswith(f"{served.mlflow_url}/#/experiments   (")
 
     # Same data and SFT, a new GRPO setting; GRPO fails once after round 3 (its checkpoint: round 2).
     params = {"preset": "tiny", "overrides": overrides + ["grpo.lr=2e-3"], "fault": {"grpo_round": 3}}
@@ -297,3 +304,78 @@ def test_serve_refuses_a_taken_port_and_binds_loopback(served, tmp_path):
     assert_loopback_only([proc.pid for proc in served.procs.values()])
     pool = api(served, lambda c: c.read_work_pool("posttrain-local"))
     assert pool.concurrency_limit == 2
+
+
+def test_serve_stops_everything_on_sigterm_and_sighup(tmp_path):
+    """`make serve` under a process manager: SIGTERM (systemd, supervisord, docker stop) or SIGHUP
+    to the serve process stops the Prefect server, the worker and the MLflow server, within the
+    grace period plus a margin, and frees their ports."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        ports = [free_port(), free_port()]
+        env = dict(os.environ, PREFECT_HOME=str(tmp_path / f"home-{sig.name}"))
+        env.pop("PREFECT_API_URL", None)
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.serve", "--prefect-port", str(ports[0]),
+                                 "--mlflow-port", str(ports[1])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        groups: list[int] = []
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "stops everything" in line:
+                    break
+            else:
+                raise AssertionError("make serve did not come up:\n" + "".join(lines)[-3000:])
+            groups = _child_groups(proc.pid)
+            assert len(groups) == 3, (groups, "".join(lines))  # prefect server, worker, mlflow server
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            rest = proc.communicate(timeout=60)[0]
+            stopped = time.monotonic() - t0
+            assert proc.returncode == 0, rest
+            assert f"stopping ({sig.name})" in rest, rest
+            print(f"make serve: {sig.name} -> everything stopped in {stopped:.1f} s")
+            assert stopped < 15, stopped  # the 10 s grace, then SIGKILL
+            deadline = time.monotonic() + 3  # SIGKILLed processes take a moment to exit, and init to reap them
+            while (alive := {g: _members(g) for g in groups if _members(g)}) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not alive, f"process groups still alive after {sig.name}: {alive}"
+            for port in ports:
+                with socket.socket() as s:
+                    assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listening"
+        finally:
+            for g in [proc.pid] + groups:  # only after a failed check: nothing is left running
+                try:
+                    os.killpg(g, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+
+
+def _child_groups(pid: int) -> list[int]:
+    """Process groups led by children of `pid` (each service runs in its own session)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and int(fields[2]) == int(d.name):
+                out.append(int(d.name))
+    return out
+
+
+def _members(pgid: int) -> list[str]:
+    """The processes in a group: "pid state command"."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                head, tail = (d / "stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            fields = tail.split()
+            if int(fields[2]) == pgid:
+                out.append(f"{d.name} {fields[0]} {head.split('(', 1)[1]}")
+    return out
