@@ -79,7 +79,7 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
 def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
     """(the plan as text, the problems found). A run is safe to start when there are no problems."""
     from trainer.rollout import groups_per_chunk, groups_per_round
-    from trainer.sglang import check_server_python, launch_command, server_env, server_gpus
+    from trainer.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
 
     problems: list[str] = []
     notes: list[str] = []
@@ -151,13 +151,17 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
                          f"{r.sglang.gpus_per_server} GPU(s) each:")
             for i in range(r.sglang.num_servers):
                 cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i, cfg.model.dtype)
-                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.sglang, i).items())
+                try:
+                    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.sglang, i).items())
+                except SGLangError as exc:
+                    problems.append(str(exc))
+                    env = "CUDA_VISIBLE_DEVICES=?"
                 lines.append(f"  $ {env} {shlex.join(cmd)}")
             problem = check_server_python(r.sglang)
             if problem:
                 notes.append(f"{problem} (on the machine that runs grpo)")
             train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
-            server_set = {int(g) for i in range(r.sglang.num_servers) for g in server_gpus(r.sglang, i).split(",")}
+            server_set = {p for i in range(r.sglang.num_servers) for p in server_gpu_positions(r.sglang, i)}
             if train_gpus & server_set:
                 notes.append(f"GPUs {sorted(train_gpus & server_set)} are shared by training ranks and SGLang servers: "
                              "fine on one GPU (mem_fraction_static leaves room), otherwise set "

@@ -78,7 +78,8 @@ def test_dead_server_process_is_reported():
         server.check_alive()
 
 
-def test_launch_command_and_environment():
+def test_launch_command_and_environment(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cuda = SGLangConfig(gpus_per_server=2, first_gpu=2, extra_args=["--dtype", "bfloat16"])
     cmd = launch_command(cuda, "/m", 30001, "bfloat16", parent_pid=42)
     assert cmd[0] == str(env_dir("cuda") / "bin" / "python")  # the SGLang environment, not this one
@@ -95,6 +96,35 @@ def test_launch_command_and_environment():
     assert cmd[cmd.index("--device") + 1] == "cpu"
     assert cmd[cmd.index("--max-total-tokens") + 1] == str(CPU_DEFAULT_MAX_TOTAL_TOKENS)
     assert server_env(cpu, 0) == {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": "/x"}
+
+
+def test_servers_take_their_gpus_from_the_inherited_visible_list(monkeypatch):
+    """A worker pinned to GPUs 5-7 (or a SLURM allocation): first_gpu and gpus_per_server count in
+    that list, whose entries (numbers or UUIDs) pass through as written; past its end is refused
+    with the fields to change. The dry run shows the same and reports the problem."""
+    cfg = SGLangConfig(num_servers=2, gpus_per_server=1, first_gpu=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6,7")
+    assert [server_env(cfg, i)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa, GPU-bbb")
+    assert server_env(SGLangConfig(gpus_per_server=2), 0)["CUDA_VISIBLE_DEVICES"] == "GPU-aaa,GPU-bbb"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    with pytest.raises(SGLangError, match=r"server 1 needs GPU positions 2\.\.2 .*CUDA_VISIBLE_DEVICES='5,6' lists 2 "
+                                          r"GPU\(s\); lower rollout.sglang.first_gpu"):
+        server_env(cfg, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU at all
+    with pytest.raises(SGLangError, match="lists 0 GPU"):
+        server_env(cfg, 0)
+
+    from tasks.plan import dry_run
+    from trainer.config import load_config
+
+    run = load_config("qwen2.5-0.5b-gsm8k", ["rollout.sglang.num_servers=2", "rollout.sglang.first_gpu=1"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5")
+    text, problems = dry_run(run)
+    assert "CUDA_VISIBLE_DEVICES=4 " in text and "CUDA_VISIBLE_DEVICES=5 " in text, text
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    text, problems = dry_run(run)
+    assert any("server 1 needs GPU positions 2..2" in p for p in problems), problems
 
 
 def test_env_dir_is_keyed_by_the_pins(tmp_path, monkeypatch):

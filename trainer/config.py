@@ -199,8 +199,9 @@ class SGLangConfig(Strict):
     base_port: int = Field(30000, ge=1024, le=65535, description="launched servers take the first free ports "
                            "from here up (another run's servers hold theirs)")
     gpus_per_server: int = Field(1, ge=1)
-    first_gpu: int = Field(0, ge=0, description="server i uses GPUs first_gpu + i*gpus_per_server onwards; put "
-                           "them after the training ranks' GPUs (0..ranks_per_node-1) on a shared machine")
+    first_gpu: int = Field(0, ge=0, description="server i uses GPUs first_gpu + i*gpus_per_server onwards, "
+                           "counted in the CUDA_VISIBLE_DEVICES list the run inherits (physical numbers when "
+                           "unset); put them after the training ranks' GPUs (0..ranks_per_node-1) on a shared machine")
     mem_fraction_static: float = Field(0.5, gt=0, le=1)
     max_total_tokens: int | None = Field(
         None, ge=256, description="KV-cache size in tokens (--max-total-tokens); unset lets SGLang size it from "

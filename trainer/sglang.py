@@ -89,10 +89,28 @@ def check_server_python(cfg: SGLangConfig) -> str | None:
 
 # ---------------------------------------------------------------- launching
 
-def server_gpus(cfg: SGLangConfig, i: int) -> str:
-    """CUDA_VISIBLE_DEVICES of launched server i."""
+def server_gpu_positions(cfg: SGLangConfig, i: int) -> list[int]:
+    """Launched server i's GPUs as positions among the GPUs this process may use."""
     first = cfg.first_gpu + i * cfg.gpus_per_server
-    return ",".join(str(first + g) for g in range(cfg.gpus_per_server))
+    return list(range(first, first + cfg.gpus_per_server))
+
+
+def server_gpus(cfg: SGLangConfig, i: int, visible: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES of launched server i: its positions picked from the list this process
+    inherited (`visible`, default $CUDA_VISIBLE_DEVICES: a SLURM allocation, a worker pinned to some
+    GPUs), entries passed on as written (indices or UUIDs); physical GPU numbers when none is set."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    positions = server_gpu_positions(cfg, i)
+    if visible is None:
+        return ",".join(str(p) for p in positions)
+    gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    if positions[-1] >= len(gpus):
+        raise SGLangError(
+            f"SGLang server {i} needs GPU positions {positions[0]}..{positions[-1]} (rollout.sglang.first_gpu="
+            f"{cfg.first_gpu}, gpus_per_server={cfg.gpus_per_server}), but CUDA_VISIBLE_DEVICES={visible!r} lists "
+            f"{len(gpus)} GPU(s); lower rollout.sglang.first_gpu, gpus_per_server or num_servers, or give this "
+            "process more GPUs")
+    return ",".join(gpus[p] for p in positions)
 
 
 def launch_command(cfg: SGLangConfig, model_path: str, port: int, dtype: str = "bfloat16",
