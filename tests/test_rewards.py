@@ -23,6 +23,18 @@ def string_reward(response, example):
     return "high"
 
 
+def numpy_reward(response, example):
+    import numpy as np
+
+    return np.float32(0.5) if "12" in response else np.int64(0)
+
+
+def tensor_reward(response, example):
+    import torch
+
+    return torch.tensor(0.75)
+
+
 @pytest.mark.parametrize("fn", [math_reward, format_reward, constant_reward])
 def test_contract_float_in_range(fn):
     for response in ["3*4=12\n#### 12", "#### 13", "", "garbage \\boxed{12}"]:
@@ -65,6 +77,14 @@ def test_nan_reward_is_reported_not_averaged():
     assert totals == [None]
 
 
+def test_numpy_and_0d_tensor_rewards_are_numbers():
+    mix = RewardMix.from_specs([RewardSpec(name="tests.test_rewards:numpy_reward"),
+                                RewardSpec(name="tests.test_rewards:tensor_reward")])
+    totals, parts = mix.score(["#### 12", "#### 13"], [EX, EX])
+    assert parts == {"tests.test_rewards:numpy_reward": [0.5, 0.0], "tests.test_rewards:tensor_reward": [0.75, 0.75]}
+    assert all(type(v) is float for vs in parts.values() for v in vs) and totals == [1.25, 0.75]
+
+
 def test_non_float_reward_raises():
     mix = RewardMix.from_specs([RewardSpec(name="tests.test_rewards:string_reward")])
     with pytest.raises(RewardError, match="returned 'high'"):
@@ -88,6 +108,10 @@ def test_reward_model_from_path(tmp_path, tiny_tokenizer):
     assert totals[0] != totals[1]
     single = resolve("reward_model", str(tmp_path / "rm"))("#### 12", EX)
     assert single == pytest.approx(totals[0], abs=1e-5)
+    # a conversation past the model's 1,024 tokens loses its beginning, not the response it judges
+    long = {**EX, "messages": [{"role": "user", "content": "word " * 1500}] + EX["messages"][1:]}
+    totals, _ = mix.score(["#### 12", "#### 13"], [long, long])
+    assert totals[0] != totals[1]
 
 
 def test_reward_model_bad_path(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,8 @@ def format_reward(response: str, example: dict[str, Any]) -> float:
 class RewardModel:
     """A HF AutoModelForSequenceClassification scoring the chat (prompt + response); logit 0."""
 
+    MAX_TOKENS = 1024
+
     def __init__(self, path: str) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -51,6 +54,8 @@ class RewardModel:
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.model.config.pad_token_id = self.tok.pad_token_id
+        # past MAX_TOKENS the conversation loses its beginning, never the response being judged
+        self.tok.truncation_side = "left"
 
     def __call__(self, response: str, example: dict[str, Any]) -> float:
         return self.score([response], [example])[0]
@@ -59,7 +64,8 @@ class RewardModel:
         import torch
 
         texts = [_chat_text(self.tok, ex, r) for r, ex in zip(responses, examples)]
-        enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=1024).to(self.model.device)
+        enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True,
+                       max_length=self.MAX_TOKENS).to(self.model.device)
         with torch.no_grad():
             logits = self.model(**enc).logits
         return logits[:, 0].float().tolist()
@@ -127,8 +133,7 @@ class RewardMix:
                 values = fn.score(responses, examples)
             else:
                 values = [fn(r, ex) for r, ex in zip(responses, examples)]
-            parts[name] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _bad(name, v)
-                           for v in values]
+            parts[name] = [_number(name, v) for v in values]
         totals: list[float | None] = []
         for i in range(len(responses)):
             vals = [parts[n][i] for n in self.names]
@@ -137,8 +142,13 @@ class RewardMix:
         return totals, parts
 
 
-def _bad(name: str, value: Any) -> float:
-    if isinstance(value, bool):
+def _number(name: str, value: Any) -> float:
+    """A reward's value as a float: any real number (numpy's and 0-d tensors' included) or a bool."""
+    if isinstance(value, numbers.Real):  # int, float, bool, numpy's integer and floating scalars
         return float(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d numpy array or torch tensor
+        item = value.item()
+        if isinstance(item, numbers.Real):
+            return float(item)
     raise RewardError(f"grpo.rewards: reward {name!r} returned {value!r} ({type(value).__name__}); "
                       "a reward must return a float")
