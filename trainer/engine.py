@@ -187,6 +187,12 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
     return engine, optimizer, scheduler
 
 
+def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor copied into its own CPU memory (tied weights untied, as safetensors needs): on a GPU
+    the copy lands in host memory, not beside the weights (a whole second model on the device)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 def export_model(engine, tokenizer, out_dir: str | Path) -> None:
     """save_pretrained of the full (unpartitioned) weights, from rank 0."""
     import deepspeed
@@ -196,7 +202,7 @@ def export_model(engine, tokenizer, out_dir: str | Path) -> None:
     params = list(module.parameters()) if stage == 3 else []
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
         if rank() == 0:
-            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            state = host_copy(module.state_dict())
             module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(str(out_dir))
 
