@@ -99,3 +99,16 @@ def test_sft_off_needs_a_pretrained_model_and_a_fixed_control_budget():
     cfg = load_config("tiny", ["sft.enabled=false", "model.pretrained=/some/folder", "tokenizer.train=false",
                                "control.steps=5"])
     assert not cfg.sft.enabled and cfg.control.steps == 5
+
+
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_zero3_grpo_on_several_ranks_is_refused_before_the_run(engine):
+    """ZeRO-3 needs every rank in every forward; GRPO's rank-0 evals and uneven sample counts would
+    hang the ranks, so two ranks are refused up front on either engine, naming the fix. One rank, and
+    ZeRO-3 for SFT on two ranks, stay allowed."""
+    two = ["grpo.deepspeed.zero_stage=3", "grpo.deepspeed.ranks_per_node=2", f"rollout.engine={engine}"]
+    with pytest.raises(ConfigError, match=rf"zero_stage=3 with 2 ranks \(rollout.engine={engine}\).*"
+                                          r"zero_stage=1 or 2.*or one rank"):
+        load_config("tiny", two)
+    load_config("tiny", ["grpo.deepspeed.zero_stage=3", f"rollout.engine={engine}"])
+    load_config("tiny", ["sft.deepspeed.zero_stage=3", "sft.deepspeed.ranks_per_node=2"])

@@ -350,11 +350,16 @@ class RunConfig(Strict):
                 f"{rb} samples (rollout.prompts_per_round x n_samples_per_prompt); pick a divisor"
             )
         gds = self.grpo.deepspeed
-        if self.grpo.enabled and gds.launched and gds.zero_stage == 3 and self.rollout.engine == "hf":
+        if self.grpo.enabled and gds.world_size > 1 and gds.zero_stage == 3:
+            # ZeRO-3 gathers each weight from every rank inside every forward, so all ranks must run the
+            # same forwards in step; GRPO's do not (refused for both engines rather than left to hang)
             raise ValueError(
-                "grpo.deepspeed.zero_stage=3 with several ranks and rollout.engine=hf: the in-process "
-                "engine generates from each rank's own copy of the weights, which ZeRO-3 partitions; "
-                "use zero_stage 1 or 2, or rollout.engine=sglang"
+                f"grpo.deepspeed.zero_stage=3 with {gds.world_size} ranks (rollout.engine={self.rollout.engine}): "
+                "ZeRO-3 needs every rank in each forward pass, but GRPO's greedy evals run on rank 0 alone, a "
+                "rank with fewer samples than another runs fewer passes, and the hf engine generates from "
+                "each rank's own (partitioned) weights, so the ranks would wait on each other forever. Use "
+                "grpo.deepspeed.zero_stage=1 or 2 (optimizer state and gradients sharded, whole weights on "
+                "each rank), or one rank"
             )
         return self
 
