@@ -1,5 +1,5 @@
 """control stage: the SFT-only control. The SFT policy, trained on by SFT (same data, same batch)
-for as many seconds as GRPO trained, then exported and evaluated like the GRPO policy. GRPO's gain
+for as many seconds as GRPO trained (its rounds' rollouts, rewards and updates), then exported and evaluated like the GRPO policy. GRPO's gain
 over it is what RL adds beyond spending the same compute on more SFT.
 
 Run as part of `posttrain speedrun` when control.enabled (the tiny preset enables it).
@@ -24,13 +24,14 @@ def sft_seconds_per_step(sft: dict) -> float:
 
 
 def control_steps(cfg, sft: dict, grpo: dict) -> int:
-    """SFT steps that take as long as GRPO trained: GRPO's seconds (x control.time_factor) over the
-    SFT stage's measured seconds per step, or control.steps when set. Fixed once both upstream
+    """SFT steps that take as long as GRPO trained: GRPO's training seconds (its rounds' rollouts,
+    rewards and updates; not its evals, checkpoints or weight pushes) x control.time_factor over the
+    SFT stage's measured seconds per training step, or control.steps when set. Fixed once both upstream
     results exist, so the control is cached and resumed like any stage; measured seconds vary with
     the machine's load, so only control.steps gives the same control weights run after run."""
     if cfg.control.steps is not None:
         return cfg.control.steps
-    budget = grpo["metrics"]["grpo/seconds"] * cfg.control.time_factor
+    budget = grpo["metrics"]["grpo/train_seconds"] * cfg.control.time_factor
     return max(1, round(budget / sft_seconds_per_step(sft)))
 
 
@@ -54,16 +55,16 @@ def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dic
         if cfg.control.steps is not None:
             prefect_logger().info("control: %d SFT steps from the SFT policy (control.steps)", steps)
         else:
-            prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1fs at the SFT stage's "
-                                  "%.3fs per step", steps, grpo["metrics"]["grpo/seconds"], sft_seconds_per_step(sft))
-        logger.log_params({"control.budget_steps": steps, "control.grpo_seconds": grpo["metrics"]["grpo/seconds"]})
+            prefect_logger().info("control: %d SFT steps from the SFT policy, GRPO's %.1f training seconds at the SFT stage's "
+                                  "%.3fs per step", steps, grpo["metrics"]["grpo/train_seconds"], sft_seconds_per_step(sft))
+        logger.log_params({"control.budget_steps": steps, "control.grpo_train_seconds": grpo["metrics"]["grpo/train_seconds"]})
         if cfg.sft.deepspeed.launched:
             out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,
                                {"data": data, "tokenizer": None, "fault": None})
         else:
             out = train_and_export(run_cfg, data, None, work, logger)
         metrics = {"control/steps": float(steps), "control/seconds": out["metrics"]["sft/train_seconds"],
-                   "control/grpo_seconds": grpo["metrics"]["grpo/seconds"],
+                   "control/grpo_train_seconds": grpo["metrics"]["grpo/train_seconds"],
                    "control/final_loss": out["metrics"]["sft/final_loss"]}
         logger.log_metrics(metrics)
         return {**out, "metrics": {**out["metrics"], **metrics}}

@@ -111,7 +111,10 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
         (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))
     last = trainer.history[-1] if trainer.history else {}
     evals = [h for h in trainer.history if "eval/accuracy" in h]
-    metrics = {"grpo/rounds": trainer.round, "grpo/seconds": trainer.elapsed(),
+    # training seconds: each round's rollouts, rewards and update (not its evals, checkpoints or
+    # weight pushes), what the control's budget matches
+    train_seconds = sum(h.get(f"time/{k}_seconds", 0.0) for h in trainer.history for k in ("generate", "reward", "update"))
+    metrics = {"grpo/rounds": trainer.round, "grpo/seconds": trainer.elapsed(), "grpo/train_seconds": train_seconds,
                "grpo/final_reward_mean": last.get("reward/mean", math.nan)}
     if evals:
         metrics["grpo/last_eval_accuracy"] = evals[-1]["eval/accuracy"]

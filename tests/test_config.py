@@ -82,7 +82,7 @@ def test_control_steps_fix_the_controls_budget_whatever_the_seconds():
     from tasks.control import control_steps
 
     sft = {"result": {"steps": 100, "train_seconds": 10.0}}
-    fast, slow = {"metrics": {"grpo/seconds": 5.0}}, {"metrics": {"grpo/seconds": 9.0}}
+    fast, slow = {"metrics": {"grpo/train_seconds": 5.0}}, {"metrics": {"grpo/train_seconds": 9.0}}
     cfg = load_config("tiny")
     assert (control_steps(cfg, sft, fast), control_steps(cfg, sft, slow)) == (50, 90)
     pinned = load_config("tiny", ["control.steps=70"])

@@ -70,7 +70,11 @@ def test_control_is_sft_continued_for_grpo_time(first_run):
     by = {s["label"]: s for s in result["stages"]}
     sft, grpo, control = (json.loads((Path(by[k]["uri"]) / "manifest.json").read_text()) for k in ("sft", "grpo", "control"))
     per_step = sft["result"]["train_seconds"] / sft["result"]["steps"]
-    steps = max(1, round(grpo["metrics"]["grpo/seconds"] / per_step))
+    history = [json.loads(x) for x in (Path(by["grpo"]["uri"]) / "history.jsonl").read_text().splitlines()]
+    trained = sum(h[f"time/{k}_seconds"] for h in history for k in ("generate", "reward", "update"))
+    assert grpo["metrics"]["grpo/train_seconds"] == pytest.approx(trained)
+    assert trained < grpo["metrics"]["grpo/seconds"]  # evals, checkpoints and syncs are not counted
+    steps = max(1, round(grpo["metrics"]["grpo/train_seconds"] / per_step))
     assert control["metrics"]["control/steps"] == steps == control["result"]["steps"]
     assert control["inputs"] == {"data": by["prepare_data"]["key"], "sft": sft["key"], "grpo": grpo["key"]}
     assert by["eval (control)"]["metrics"]["eval/n"] == 40
