@@ -194,13 +194,16 @@ def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> 
         shutil.rmtree(scratch, ignore_errors=True)
         os.replace(work, scratch)  # its checkpoints: what a later continuation resumes from
         work = scratch
-    storage.put_dir(work, folder, skip=(storage.MANIFEST,))
+    storage.put_dir(work, folder, skip=UNCHECKED)
     storage.commit_manifest(folder, manifest)
 
 
-# What a result's manifest does not list (and a cache hit does not check): training state that is
-# pruned as it goes, and the launch's own bookkeeping.
-UNCHECKED = ("checkpoints/", "rank_status/", "launch_spec.json", "launch_result.json", storage.MANIFEST)
+# What a result's manifest does not list, a cache hit does not check and a commit does not copy to
+# the result's folder (on an s3:// root nothing is uploaded that nothing reads): checkpoints, which
+# stay in the machine's scratch folder ($POSTTRAIN_CACHE/work) where resumes and continuations on
+# that machine read them; GRPO's `sync/` (the weights pushed to SGLang each round); the launch's own
+# bookkeeping. The manifest itself is written separately, last.
+UNCHECKED = ("checkpoints/", "sync/", "rank_status/", "launch_spec.json", "launch_result.json", storage.MANIFEST)
 
 
 def damage(folder: str, manifest: dict[str, Any]) -> str | None:
@@ -279,10 +282,19 @@ def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: 
              t0: float) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
+    checkpoints = sorted(p.parent.name for p in (work_dir_for(folder, create=False) / "checkpoints").glob("step*/COMMITTED"))
     if where.continues_from is not None:
-        log.info("%s: continuing the result at %s from %d to %d (its last checkpoint)", stage, folder,
-                 where.continues_from, extent(cfg, stage))
+        if checkpoints:
+            log.info("%s: continuing the result at %s from %d to %d, from its checkpoint %s on this machine", stage,
+                     folder, where.continues_from, extent(cfg, stage), checkpoints[-1])
+        else:  # checkpoints stay in the scratch folder of the machine that ran it (see UNCHECKED)
+            log.warning("%s: extending the result at %s from %d to %d, but its checkpoints are not on this machine "
+                        "(they stay in the scratch folder of the machine that computed it): computing the stage "
+                        "again from its input", stage, folder, where.continues_from, extent(cfg, stage))
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
+    elif checkpoints and not fresh:
+        log.info("%s: resuming from the checkpoint %s left in %s by an earlier attempt", stage, checkpoints[-1],
+                 work_dir_for(folder, create=False))
     if fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
                     stage, folder)

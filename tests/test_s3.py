@@ -2,8 +2,11 @@
 loopback (moto's ThreadedMotoServer, as s3fs's own tests use), then a cached re-run that reads
 its results back from S3. The credentials must not leak into MLflow or the logs."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -66,6 +69,17 @@ def test_speedrun_on_s3_then_cached_rerun(s3, session_dir, caplog, capsys):
         assert fs.exists(s["uri"] + "/manifest.json"), s["uri"]
     sft = next(s for s in first["stages"] if s["stage"] == "sft")
     assert fs.exists(sft["uri"] + "/model/model.safetensors")
+    # uploaded: what later stages and users read; not: checkpoints (they stay in the machine's
+    # scratch folder) and GRPO's per-round weight pushes to SGLang
+    from trainer import storage
+
+    for stage in ("sft", "grpo"):
+        uri = next(s["uri"] for s in first["stages"] if s["stage"] == stage)
+        files = storage.list_files(uri)
+        assert "model/model.safetensors" in files and "manifest.json" in files, (stage, sorted(files))
+        assert not [f for f in files if f.startswith(("checkpoints/", "sync/", "rank_status/"))], (stage, sorted(files))
+    grpo_files = storage.list_files(next(s["uri"] for s in first["stages"] if s["stage"] == "grpo"))
+    assert "history.jsonl" in grpo_files
 
     again = speedrun(preset="tiny", overrides=overrides)
     assert all(s["cache_hit"] for s in again["stages"])
@@ -236,3 +250,35 @@ def test_s3_downloads_once_per_version_under_concurrency(s3, tmp_path):
     storage.write_bytes(f"{url}/part0.bin", b"recomputed")
     fresh = storage.local_dir(url, cache, version="run-b")
     assert fresh != dirs[0] and (fresh / "part0.bin").read_bytes() == b"recomputed"
+
+
+UPLOAD_PEAK = """
+import json, os, resource, sys, time
+from trainer import storage
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+storage.put_dir(sys.argv[1], sys.argv[2])
+print(json.dumps({"growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
+                  "seconds": time.perf_counter() - t0}))
+"""
+
+
+def test_a_large_file_is_uploaded_in_parts_not_read_whole(s3, tmp_path):
+    """A 192 MiB file (a checkpoint's size class, scaled down) goes up in s3fs's parts: the
+    uploading process grows by far less than the file (it read files whole before)."""
+    import s3fs
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    size = 192 << 20
+    with open(folder / "model.safetensors", "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+    url = f"{s3}/upload-test"
+    out = subprocess.run([sys.executable, "-c", UPLOAD_PEAK, str(folder), url], capture_output=True, text=True,
+                         env=os.environ, cwd=Path(__file__).resolve().parent.parent, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"upload of {size >> 20} MiB: the process grew {measured['growth_mib']:.0f} MiB in {measured['seconds']:.1f} s")
+    assert s3fs.S3FileSystem().size(f"{url}/model.safetensors".removeprefix("s3://")) == size
+    assert measured["growth_mib"] < 96, measured

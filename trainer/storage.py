@@ -183,6 +183,10 @@ def list_files(url: str | Path, skip: tuple[str, ...] = ()) -> dict[str, int]:
     return {rel: size for rel, size in found.items() if not _skipped(rel, skip)}
 
 
+UPLOAD_PART_BYTES = 16 << 20  # S3's parts are 5 MiB to 5 GiB; 10,000 parts at most (s3fs grows the part past 160 GB)
+UPLOAD_PARTS_IN_FLIGHT = 2
+
+
 def put_dir(local_dir: str | Path, url: str, skip: tuple[str, ...] = ()) -> None:
     """Copy a local folder's files to `url` (a local path or s3:// prefix), but `skip`."""
     local_dir = Path(local_dir)
@@ -194,10 +198,15 @@ def put_dir(local_dir: str | Path, url: str, skip: tuple[str, ...] = ()) -> None
                         ignore=lambda d, names: [n for n in names if _skipped(
                             (Path(d) / n).relative_to(local_dir).as_posix(), skip)])
         return
+    fs, _ = fs_for(url)
     for f in sorted(local_dir.rglob("*")):
         rel = f.relative_to(local_dir).as_posix()
         if f.is_file() and not _skipped(rel, skip):
-            write_bytes(join(url, rel), f.read_bytes())
+            target = fs_for(join(url, rel))[1]
+            # streamed from the file in parts (a multipart upload past 2 parts' size), never read whole:
+            # at most UPLOAD_PARTS_IN_FLIGHT parts of UPLOAD_PART_BYTES in memory at once
+            _retrying("upload", join(url, rel), lambda f=f, target=target: fs.put_file(
+                str(f), target, chunksize=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_PARTS_IN_FLIGHT))
 
 
 def replace_dir(new: Path, dest: Path) -> None:
