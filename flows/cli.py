@@ -89,15 +89,16 @@ def print_summary(result: dict, seconds: float) -> None:
     if result.get("comparison"):
         console.print("against the best earlier nightly:")
         console.print(result["comparison"], markup=False, highlight=False)
-    console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}")
     from tasks.pipeline import mlflow_ui_urls
 
     table, page = mlflow_ui_urls(result["mlflow_experiment_id"], result["mlflow_run_id"])
-    console.print(f"MLflow runs table: {table}", markup=False, highlight=False)
-    console.print(f"this run:          {page}", markup=False, highlight=False)
+    plain = {"markup": False, "highlight": False, "soft_wrap": True}  # ids and URLs whole, never wrapped
+    console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}", **plain)
+    console.print(f"MLflow runs table: {table}", **plain)
+    console.print(f"this run:          {page}", **plain)
     if not tracking_uri().startswith(("http://", "https://")):
         console.print(f"  (served by `make serve`, or: .venv/bin/mlflow ui --backend-store-uri {tracking_uri()} --port 5000)",
-                      markup=False, highlight=False)
+                      **plain)
     console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
     console.print("or both, with the deployments and a worker: make serve")
 
