@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.procwatch import group_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "posttrain-local"
 HOST = "127.0.0.1"
@@ -61,7 +63,7 @@ class Services:
         groups = [proc.pid for proc in reversed(list(self.procs.values()))]
         _signal_groups(groups, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not all(_group_gone(g) for g in groups):
+        while time.monotonic() < deadline and not all(group_gone(g) for g in groups):
             for proc in self.procs.values():
                 proc.poll()  # reap exited leaders, so that their groups can empty
             time.sleep(0.1)
@@ -82,37 +84,6 @@ def _signal_groups(groups: list[int], sig: int) -> None:
             os.killpg(g, sig)
         except (ProcessLookupError, PermissionError):  # the group is empty
             pass
-
-
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # only zombies left (leaders not yet reaped) count as gone
-    return all(_zombie(pid) for pid in _group_members(pgid))
-
-
-def _group_members(pgid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                out.append(int(d.name))
-    return out
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 class _Stop(Exception):

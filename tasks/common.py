@@ -282,7 +282,8 @@ def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: 
              t0: float) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
-    checkpoints = sorted(p.parent.name for p in (work_dir_for(folder, create=False) / "checkpoints").glob("step*/COMMITTED"))
+    scratch = work_dir_for(folder, create=False)
+    checkpoints = sorted(p.parent.name for p in (scratch / "checkpoints").glob("step*/COMMITTED"))
     if where.continues_from is not None:
         if checkpoints:
             log.info("%s: continuing the result at %s from %d to %d, from its checkpoint %s on this machine", stage,
@@ -293,8 +294,7 @@ def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: 
                         "again from its input", stage, folder, where.continues_from, extent(cfg, stage))
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
     elif checkpoints and not fresh:
-        log.info("%s: resuming from the checkpoint %s left in %s by an earlier attempt", stage, checkpoints[-1],
-                 work_dir_for(folder, create=False))
+        log.info("%s: resuming from the checkpoint %s left in %s by an earlier attempt", stage, checkpoints[-1], scratch)
     if fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
                     stage, folder)

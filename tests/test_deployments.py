@@ -368,14 +368,13 @@ def _child_groups(pid: int) -> list[int]:
 
 def _members(pgid: int) -> list[str]:
     """The processes in a group: "pid state command"."""
+    from trainer.procwatch import group_members
+
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                head, tail = (d / "stat").read_text().rsplit(")", 1)
-            except OSError:
-                continue
-            fields = tail.split()
-            if int(fields[2]) == pgid:
-                out.append(f"{d.name} {fields[0]} {head.split('(', 1)[1]}")
+    for pid in group_members(pgid):
+        try:
+            head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        out.append(f"{pid} {tail.split()[0]} {head.split('(', 1)[1]}")
     return out

@@ -19,3 +19,33 @@ def process_gone(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
     except (OSError, IndexError):
         return False  # no /proc (not Linux): kill(pid, 0) is all there is
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid`, read from /proc (none where there is no /proc)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                out.append(int(name))
+    return out
+
+
+def group_gone(pgid: int) -> bool:
+    """No process left in the group but zombies not yet reaped."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return all(process_gone(pid) for pid in group_members(pgid))

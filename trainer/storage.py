@@ -202,10 +202,10 @@ def put_dir(local_dir: str | Path, url: str, skip: tuple[str, ...] = ()) -> None
     for f in sorted(local_dir.rglob("*")):
         rel = f.relative_to(local_dir).as_posix()
         if f.is_file() and not _skipped(rel, skip):
-            target = fs_for(join(url, rel))[1]
+            dest = join(url, rel)
             # streamed from the file in parts (a multipart upload past 2 parts' size), never read whole:
             # at most UPLOAD_PARTS_IN_FLIGHT parts of UPLOAD_PART_BYTES in memory at once
-            _retrying("upload", join(url, rel), lambda f=f, target=target: fs.put_file(
+            _retrying("upload", dest, lambda f=f, target=fs_for(dest)[1]: fs.put_file(
                 str(f), target, chunksize=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_PARTS_IN_FLIGHT))
 
 
