@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from tasks import lease
 from tasks.keys import RULES, code_version, extent, resolve
 from trainer import storage
 from trainer.config import RunConfig
+from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
+from trainer.procwatch import process_gone
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -158,23 +161,71 @@ def prefect_logger():
         return logging.getLogger("posttrain")
 
 
-def work_dir_for(folder: str, create: bool = True, fresh: bool = False) -> Path:
-    """Where a stage writes: its folder itself when local, a local scratch folder for s3://.
+def scratch_root(folder: str) -> Path:
+    """This machine's scratch area of an s3:// stage folder: one folder per holder under it."""
+    base = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
+    return base / hashlib.sha256(folder.encode()).hexdigest()[:16]
 
-    `fresh` (a recompute, or a damaged result replaced): a staging folder beside it instead, emptied
-    first, which replaces the result only once the new one commits (`commit`)."""
+
+def work_dir_for(folder: str, holder: str | None = None, create: bool = True, fresh: bool = False) -> Path:
+    """Where a stage writes: its folder itself when local; for s3://, a local scratch folder of the
+    run holding its lease (`holder`, the lease's token: a paused holder and the run that took over
+    from it never share one).
+
+    `fresh` (a recompute, or a damaged result replaced) on a local root: a staging folder beside it
+    instead, emptied first, which replaces the result only once the new one commits (`commit`)."""
     if not storage.is_remote(folder):
         path = Path(storage.fs_for(folder)[1])
         if fresh:
             path = path.parent / ".staging" / path.name
+            shutil.rmtree(path, ignore_errors=True)
     else:
-        scratch = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
-        path = scratch / (hashlib.sha256(folder.encode()).hexdigest()[:16] + ("-staging" if fresh else ""))
-    if fresh:
-        shutil.rmtree(path, ignore_errors=True)
+        if holder is None:
+            raise ValueError(f"{folder}: an s3:// stage folder's scratch folder belongs to the run holding its lease")
+        path = scratch_root(folder) / holder
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def adopt_checkpoint(folder: str, work: Path) -> tuple[str, dict] | None:
+    """For an s3:// stage folder: link the newest committed checkpoint that an earlier holder left in
+    this machine's scratch area into `work` (this holder's folder), then remove the folders of
+    earlier holders whose process is gone. Returns (its tag, that holder), or None if there is none.
+
+    Links, not moves: a paused earlier holder may still be alive; it stops at its next save (its
+    lease is lost) and never rewrites a committed checkpoint, only prunes it, which a link survives."""
+    from trainer.checkpoint import COMMITTED
+
+    mine = work / "checkpoints"
+    if committed_tags(mine):
+        return None
+    best: tuple[str, Path, dict] | None = None
+    for other in scratch_root(folder).iterdir():
+        if other == work or not (other / HOLDER_FILE).is_file():
+            continue
+        tags = committed_tags(other / "checkpoints")
+        if tags and (best is None or tags[-1] > best[0]):
+            best = (tags[-1], other, json.loads((other / HOLDER_FILE).read_text()))
+    adopted = None
+    if best is not None:
+        tag, other, who = best
+        try:
+            shutil.copytree(other / "checkpoints" / tag, mine / tag, copy_function=os.link)
+            if (mine / tag / COMMITTED).is_file():
+                adopted = (tag, who)
+        except OSError:  # pruned while being linked: start from the input instead
+            pass
+        if adopted is None:
+            shutil.rmtree(mine / tag, ignore_errors=True)
+    for other in scratch_root(folder).iterdir():
+        who = json.loads((other / HOLDER_FILE).read_text()) if (other / HOLDER_FILE).is_file() else None
+        if other != work and who and who.get("host") == socket.gethostname() and process_gone(who.get("pid", 0)):
+            shutil.rmtree(other, ignore_errors=True)
+    return adopted
+
+
+HOLDER_FILE = "holder.json"
 
 
 def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> None:
@@ -190,10 +241,6 @@ def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> 
         return
     if replace:
         storage.remove(folder)
-        scratch = work_dir_for(folder, create=False)
-        shutil.rmtree(scratch, ignore_errors=True)
-        os.replace(work, scratch)  # its checkpoints: what a later continuation resumes from
-        work = scratch
     storage.put_dir(work, folder, skip=UNCHECKED)
     storage.commit_manifest(folder, manifest)
 
@@ -203,7 +250,8 @@ def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> 
 # stay in the machine's scratch folder ($POSTTRAIN_CACHE/work) where resumes and continuations on
 # that machine read them; GRPO's `sync/` (the weights pushed to SGLang each round); the launch's own
 # bookkeeping. The manifest itself is written separately, last.
-UNCHECKED = ("checkpoints/", "sync/", "rank_status/", "launch_spec.json", "launch_result.json", storage.MANIFEST)
+UNCHECKED = ("checkpoints/", "sync/", "rank_status/", "launch_spec.json", "launch_result.json", HOLDER_FILE,
+             storage.MANIFEST)
 
 
 def damage(folder: str, manifest: dict[str, Any]) -> str | None:
@@ -282,28 +330,43 @@ def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: 
              t0: float) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
-    scratch = work_dir_for(folder, create=False)
-    checkpoints = sorted(p.parent.name for p in (scratch / "checkpoints").glob("step*/COMMITTED"))
+    work = work_dir_for(folder, holder=held.token, fresh=fresh)
+    took_over = f"took over from {lease._describe(held.previous)}; " if held.previous else ""
+    adopted = None
+    if storage.is_remote(folder):
+        storage.write_json(str(work / HOLDER_FILE), {"pid": os.getpid(), "host": socket.gethostname(),
+                                                     "token": held.token, "flow_run_id": ref.flow_run_id})
+        if not fresh:
+            adopted = adopt_checkpoint(folder, work)
+    checkpoints = committed_tags(work / "checkpoints")
+    source = None
+    if checkpoints:
+        source = f"the checkpoint {checkpoints[-1]} " + (f"left on this machine by pid {adopted[1].get('pid')}" if adopted
+                                                         else f"left in {work} by an earlier attempt")
     if where.continues_from is not None:
-        if checkpoints:
-            log.info("%s: continuing the result at %s from %d to %d, from its checkpoint %s on this machine", stage,
-                     folder, where.continues_from, extent(cfg, stage), checkpoints[-1])
+        if source:
+            log.info("%s: %scontinuing the result at %s from %d to %d, from %s", stage, took_over, folder,
+                     where.continues_from, extent(cfg, stage), source)
         else:  # checkpoints stay in the scratch folder of the machine that ran it (see UNCHECKED)
-            log.warning("%s: extending the result at %s from %d to %d, but its checkpoints are not on this machine "
+            log.warning("%s: %sextending the result at %s from %d to %d, but its checkpoints are not on this machine "
                         "(they stay in the scratch folder of the machine that computed it): computing the stage "
-                        "again from its input", stage, folder, where.continues_from, extent(cfg, stage))
+                        "again from its input", stage, took_over, folder, where.continues_from, extent(cfg, stage))
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
-    elif checkpoints and not fresh:
-        log.info("%s: resuming from the checkpoint %s left in %s by an earlier attempt", stage, checkpoints[-1], scratch)
-    if fresh:
+    elif fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
                     stage, folder)
+    elif source:
+        log.info("%s: %sresuming from %s", stage, took_over, source)
+    elif took_over:
+        log.warning("%s: %sno checkpoint of it is on this machine (checkpoints stay on the machine that wrote "
+                    "them; it ran on %s): restarting from the stage's input", stage, took_over,
+                    held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
-    work = work_dir_for(folder, fresh=fresh)
     try:
-        extra = body(work, logger)
+        with checkpoint_guard(held.check):
+            extra = body(work, logger)
         held.check()
     except BaseException:
         from mlflow.entities import RunStatus
@@ -342,7 +405,8 @@ def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRe
     held = _held.get()
     spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
             "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid(),
-            "ranks_lock": str(held.ranks_lock) if held is not None else None}
+            "ranks_lock": str(held.ranks_lock) if held is not None and held.ranks_lock else None,
+            "lease": held.for_ranks() if held is not None else None}
     path = launch.write_spec(work, spec)
     plan = launch.plan(stage, ds_cfg, path)
     log = prefect_logger()

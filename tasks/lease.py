@@ -10,19 +10,20 @@ s3:// roots: S3 has no locks, so a lease object `<root>/.leases/<stage>/<key>.js
 conditional write (If-None-Match: *, only one creator wins), renewed by its holder every third of
 its time to live, and taken over once it has expired with another conditional write (If-Match on
 the expired lease's ETag, only one taker wins). A holder that could not renew in time (paused,
-cut off) finds the lease no longer its own and stops before it commits. Expiry rather than a lock
-is the only choice on S3; the time to live (POSTTRAIN_LEASE_TTL_S, 60 s) bounds how long a dead
-holder delays the waiters.
+cut off) finds the lease no longer its own at its next checkpoint or at commit, whichever comes
+first, and stops there (trainer/checkpoint.py `guarded`; launched ranks check the same lease with
+its token). Each holder works in a scratch folder of its own, so a paused holder and its taker never
+write into one folder. Expiry rather than a lock is the only choice on S3; the time to live
+(POSTTRAIN_LEASE_TTL_S, 60 s) bounds how long a dead holder delays the waiters.
 
-Beside either, the ranks a holder launches take a shared lock on a local `ranks` file, and a taker
-waits for it exclusively: a dead holder's ranks (which exit within seconds, see tasks/rank_main.py)
-never write into a folder that a taker has started on.
+On a local root the stage's folder is the work folder, so the ranks a holder launches take a shared
+lock on a local `ranks` file, and a taker waits for it exclusively: a dead holder's ranks (which
+exit within seconds, see tasks/rank_main.py) never write into a folder that a taker has started on.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -45,10 +46,6 @@ class LeaseLost(RuntimeError):
 
 def ttl_s() -> float:
     return float(os.environ.get("POSTTRAIN_LEASE_TTL_S", "60"))
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
 
 
 def _holder(extra: dict | None = None) -> dict:
@@ -102,25 +99,25 @@ def _local(lock: Path, info: dict, say: Callable[[str], None]) -> Iterator[None]
 
 
 class _S3Lease:
-    def __init__(self, url: str, info: dict, say: Callable[[str], None]) -> None:
+    """The lease object of one holder, identified by its token. The holder's process renews it; the
+    ranks it launches check it (and so renew it) before each checkpoint with the same token."""
+
+    def __init__(self, url: str, info: dict, say: Callable[[str], None], token: str | None = None) -> None:
         self.url, self.info, self.say = url, info, say
-        self.token = uuid.uuid4().hex
-        self.etag: str | None = None
+        self.token = token or uuid.uuid4().hex
+        self.previous: dict | None = None  # the expired lease's holder, when this one took it over
         self.lost = threading.Event()
         self._stop = threading.Event()
         self.fs, self.path = storage.fs_for(url)
 
-    def _body(self) -> bytes:
-        return json.dumps({**_holder(self.info), "token": self.token, "expires": time.time() + ttl_s()}).encode()
-
-    def _put(self, **condition) -> bool:
+    def _put(self, body: dict, **condition) -> bool:
+        data = json.dumps({**body, "token": self.token, "expires": time.time() + ttl_s()}).encode()
         try:
-            out = storage._retrying("lease", self.url, lambda: self.fs.pipe_file(self.path, self._body(), **condition))
+            storage._retrying("lease", self.url, lambda: self.fs.pipe_file(self.path, data, **condition))
         except (FileExistsError, OSError) as exc:
             if isinstance(exc, FileExistsError) or "Precondition" in str(exc) or getattr(exc, "errno", None) == 22:
-                return False  # another run created or took it first
+                return False  # another process wrote it first
             raise
-        self.etag = (out or {}).get("ETag") or self.fs.info(self.path, refresh=True).get("ETag")
         return True
 
     def _current(self) -> tuple[dict | None, str | None]:
@@ -137,12 +134,13 @@ class _S3Lease:
         t0 = last = time.monotonic()
         said = False
         while True:
-            if self._put(mode="create"):
+            if self._put(_holder(self.info), mode="create"):
                 return
             held, etag = self._current()
             if held is None:
                 continue  # released meanwhile: try to create it again
-            if held.get("expires", 0) < time.time() and etag and self._put(IfMatch=etag):
+            if held.get("expires", 0) < time.time() and etag and self._put(_holder(self.info), IfMatch=etag):
+                self.previous = held
                 self.say(f"took over an expired lease from {_describe(held)}")
                 return
             if not said or time.monotonic() - last >= SAY_EVERY_S:
@@ -151,17 +149,33 @@ class _S3Lease:
                 said, last = True, time.monotonic()
             time.sleep(max(POLL_S, min(2.0, (time.monotonic() - t0) / 10)))
 
+    def confirm(self) -> None:
+        """Renew the lease if it is still this holder's (even if it expired meanwhile, as long as no one
+        took it over); raise LeaseLost if not. A conditional write on the ETag just read: a takeover
+        between the read and the write makes it fail, and the next read sees the taker's token."""
+        for _ in range(20):  # another process of this holder (a rank) renewing at the same moment
+            held, etag = self._current()
+            if self.lost.is_set() or held is None or held.get("token") != self.token:
+                self.lost.set()
+                taker = f" ({_describe(held)})" if held else ""
+                raise LeaseLost(f"the lease {self.url} expired and another run took it over{taker}: this run could "
+                                f"not renew it within POSTTRAIN_LEASE_TTL_S={ttl_s():g}s (paused, or cut off from "
+                                f"S3), so it stops here and saves or commits nothing more")
+            if etag and self._put({k: v for k, v in held.items() if k not in ("token", "expires")}, IfMatch=etag):
+                return
+        raise LeaseLost(f"the lease {self.url} could not be renewed: it kept changing under this run")
+
     def renew_forever(self) -> None:
         while not self._stop.wait(ttl_s() / 3):
-            if not self._put(IfMatch=self.etag):
-                self.lost.set()
+            try:
+                self.confirm()
+            except LeaseLost:
                 return
+            except Exception as exc:  # noqa: BLE001 - S3 unreachable past the retries: try again next time
+                self.say(f"could not renew the lease ({type(exc).__name__}: {exc}); trying again")
 
     def check(self) -> None:
-        held, _ = self._current()
-        if self.lost.is_set() or held is None or held.get("token") != self.token:
-            raise LeaseLost(f"the lease {self.url} expired and another run took it over (this run could not renew "
-                            f"it within POSTTRAIN_LEASE_TTL_S={ttl_s():g}s); this run's result is not committed")
+        self.confirm()
 
     def release(self) -> None:
         self._stop.set()
@@ -171,23 +185,34 @@ class _S3Lease:
 
 
 class StageLease:
-    """Held while one run computes (or recomputes) a stage folder; `check()` before committing."""
+    """Held while one run computes (or recomputes) a stage folder; `check()` before each save and
+    before committing. `token` names this holder (its scratch folder on an s3:// root)."""
 
-    def __init__(self, s3: _S3Lease | None, ranks_lock: Path) -> None:
+    def __init__(self, s3: _S3Lease | None, ranks_lock: Path | None) -> None:
         self._s3, self.ranks_lock = s3, ranks_lock
+        self.token = s3.token if s3 is not None else None
+        self.previous = s3.previous if s3 is not None else None
 
     def check(self) -> None:
         if self._s3 is not None:
             self._s3.check()
 
+    def for_ranks(self) -> dict | None:
+        """What a launched rank needs to check this lease itself (`checker`)."""
+        return {"url": self._s3.url, "token": self._s3.token} if self._s3 is not None else None
 
-def lock_paths(folder: str) -> tuple[str, Path]:
-    """The lease (a local lock file, or an s3:// lease object) and the local ranks lock of a folder."""
+
+def checker(spec: dict) -> Callable[[], None]:
+    """A launched rank's check of its holder's lease (the `for_ranks()` of its task's StageLease)."""
+    return _S3Lease(spec["url"], {}, lambda _msg: None, token=spec["token"]).check
+
+
+def lock_paths(folder: str) -> tuple[str, Path | None]:
+    """The lease (a local lock file, or an s3:// lease object) and the local ranks lock of a folder
+    (None for s3://, whose holders work in scratch folders of their own)."""
     root, stage, key = folder.rstrip("/").rsplit("/", 2)
     if storage.is_remote(folder):
-        lease = storage.join(root, ".leases", stage, f"{key}.json")
-        local = _cache_root() / "locks" / hashlib.sha256(folder.encode()).hexdigest()[:16]
-        return lease, local.with_suffix(".ranks")
+        return storage.join(root, ".leases", stage, f"{key}.json"), None
     lock = Path(storage.fs_for(root)[1]) / ".locks" / stage / f"{key}.lock"
     return str(lock), lock.with_suffix(".ranks")
 
@@ -203,20 +228,17 @@ def hold(folder: str, say: Callable[[str], None], info: dict | None = None) -> I
         renewer = threading.Thread(target=s3.renew_forever, name="lease-renewer", daemon=True)
         renewer.start()
         try:
-            yield from _after_ranks(s3, ranks, say)
+            yield StageLease(s3, None)  # its ranks write into its own scratch folder: nothing to wait for
         finally:
             s3.release()
         return
     with _local(Path(lease_path), info, say):
-        yield from _after_ranks(None, ranks, say)
-
-
-def _after_ranks(s3: _S3Lease | None, ranks: Path, say: Callable[[str], None]) -> Iterator[StageLease]:
-    # an earlier holder's ranks may still be running for a few seconds after it died
-    fd = _flock(ranks, fcntl.LOCK_EX, say, lambda: "waiting for the ranks of the run that held it to exit")
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-    yield StageLease(s3, ranks)
+        # an earlier holder's ranks may still be running for a few seconds after it died, writing
+        # into the folder this run is about to use
+        fd = _flock(ranks, fcntl.LOCK_EX, say, lambda: "waiting for the ranks of the run that held it to exit")
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        yield StageLease(None, ranks)
 
 
 def hold_ranks_lock(path: str | Path) -> int:

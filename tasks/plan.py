@@ -11,7 +11,7 @@ import math
 import shlex
 from pathlib import Path
 
-from tasks.common import work_dir_for
+from tasks.common import scratch_root, work_dir_for
 from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
@@ -69,7 +69,9 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
     if not ds.launched:
         return [f"  runs in the task's process: 1 rank, {head}"]
-    spec = work_dir_for(folder, create=False) / launch.SPEC
+    # on an s3:// root, the work folder is named by the lease token of the run that computes it
+    work = scratch_root(folder) / "<holder>" if storage.is_remote(folder) else work_dir_for(folder, create=False)
+    spec = work / launch.SPEC
     plan = launch.plan(stage, ds, spec, port=ds.master_port or 29500)
     port_note = "" if ds.master_port else " (port: a free one is picked at launch)"
     return [f"  DeepSpeed launcher: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
@@ -145,8 +147,9 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
         elif r.sglang.urls:
             lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (round-robin)")
         else:
-            model_path = str(work_dir_for(storage.join(cfg.artifact_root, "sft", manifests["sft"]["key"]),
-                                          create=False) / "model")
+            model_url = storage.join(cfg.artifact_root, "sft", manifests["sft"]["key"], "model")
+            model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)
+                          else str(storage.local_dir(model_url)))
             lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
                          f"{r.sglang.gpus_per_server} GPU(s) each:")
             for i in range(r.sglang.num_servers):

@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.lease import hold_ranks_lock
 
         hold_ranks_lock(spec["ranks_lock"])
-        if spec.get("supervisor_pid") and process_gone(spec["supervisor_pid"]):
-            return 3  # its task died before this rank started: another run may own the folder now
+    if spec.get("supervisor_pid") and process_gone(spec["supervisor_pid"]):
+        return 3  # its task died before this rank started: another run may own the folder now
     if spec.get("supervisor_pid"):
         threading.Thread(target=_watch_supervisor, args=(spec["supervisor_pid"],), daemon=True).start()
     ds.init_distributed()
@@ -79,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     status = launch.rank_status_path(work, local_rank, "error")
     status.parent.mkdir(parents=True, exist_ok=True)
+    from tasks.lease import checker
+    from trainer.checkpoint import guarded
+
     try:
-        result = run_body(spec["stage"], cfg, inputs, work, logger)
+        # an s3:// stage's lease: checked (and renewed) before every checkpoint, as its task does
+        with guarded(checker(spec["lease"]) if spec.get("lease") else None):
+            result = run_body(spec["stage"], cfg, inputs, work, logger)
         ds.barrier()
     except BaseException as e:  # recorded for the supervisor's message, then raised as usual
         status.write_text(f"{type(e).__name__}: {e}")

@@ -222,6 +222,14 @@ def test_s3_lease_one_holder_then_takeover_after_expiry(s3, tmp_path, monkeypatc
         holder.wait()
     # the lease is released once the block ends: the next run takes it at once
     with lease.hold(folder, said.append) as held:
+        # a launched rank checks (and so renews) the same lease with its holder's token while the
+        # holder's renewer runs: neither takes the other for a taker
+        rank_check = lease.checker(held.for_ranks())
+        until = time.monotonic() + 2 * ttl
+        while time.monotonic() < until:
+            rank_check()
+            time.sleep(0.05)
+        held.check()
         # another process overwrites it (as a taker would after expiry): this holder must not commit
         lease_url, _ = lease.lock_paths(folder)
         from trainer import storage
@@ -229,6 +237,8 @@ def test_s3_lease_one_holder_then_takeover_after_expiry(s3, tmp_path, monkeypatc
         storage.write_json(lease_url, {"token": "someone-else", "expires": time.time() + 60})
         with pytest.raises(lease.LeaseLost, match="another run took it over"):
             held.check()
+        with pytest.raises(lease.LeaseLost, match="another run took it over"):
+            rank_check()
 
 
 def test_s3_downloads_once_per_version_under_concurrency(s3, tmp_path):
@@ -282,3 +292,84 @@ def test_a_large_file_is_uploaded_in_parts_not_read_whole(s3, tmp_path):
     print(f"upload of {size >> 20} MiB: the process grew {measured['growth_mib']:.0f} MiB in {measured['seconds']:.1f} s")
     assert s3fs.S3FileSystem().size(f"{url}/model.safetensors".removeprefix("s3://")) == size
     assert measured["growth_mib"] < 96, measured
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("where", ["same_machine", "other_machine"])
+def test_a_holder_that_lost_its_lease_stops_before_its_next_save(s3, tmp_path, where):
+    """With real processes: the SFT stage's holder (the CLI) is SIGSTOPped after step 6 (its
+    checkpoint at step 5 committed) past a 2 s lease; a second run takes the lease over and commits:
+    on the same machine it resumes from that checkpoint (linked into a scratch folder of its own), on
+    another (its own cache) it says it restarts from the input. SIGCONT lets the holder go on, and
+    it stops at its next save (step 10) with the reason, having written nothing more."""
+    import signal
+    import time
+
+    from tests.test_resume_kill import ROOT
+
+    root = f"{s3}/lease-{uuid.uuid4().hex[:6]}"
+    overrides = [o for o in SMALL if not o.startswith("sft.max_steps=")] + ["sft.max_steps=15"]
+    cache = tmp_path / "cache"  # one machine: both runs share its scratch area
+    env = {**os.environ, "POSTTRAIN_LEASE_TTL_S": "2", "POSTTRAIN_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "flows.cli", "sft", "--preset", "tiny", "--set", f"artifact_root={root}"]
+    for o in overrides:
+        cmd += ["--set", o]
+
+    def start(name: str, **extra):
+        log = open(tmp_path / f"{name}.log", "wb")
+        return subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True), tmp_path / f"{name}.log"
+
+    holder, holder_log = start("holder", POSTTRAIN_FAULT="sft@6:stop")
+    taker = None
+    try:
+        deadline = time.monotonic() + 400
+        while not _stopped(holder.pid):
+            assert holder.poll() is None, holder_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the holder never reached SFT step 6"
+            time.sleep(0.2)
+        [mine] = [p.parent for p in (cache / "work").glob("*/*/holder.json")
+                  if json.loads(p.read_text())["pid"] == holder.pid and (p.parent / "checkpoints").is_dir()]
+        assert (mine / "checkpoints" / "step00000005" / "COMMITTED").is_file()
+        time.sleep(3)  # past the lease's 2 s
+        other = {"POSTTRAIN_CACHE": str(tmp_path / "other-cache")} if where == "other_machine" else {}
+        taker, taker_log = start("taker", **other)
+        while "took over an expired lease" not in taker_log.read_text():
+            assert taker.poll() is None, taker_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the second run never took the lease over"
+            time.sleep(0.2)
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.wait(timeout=300) != 0, holder_log.read_text()[-3000:]
+        assert taker.wait(timeout=400) == 0, taker_log.read_text()[-3000:]
+    finally:
+        for p in (holder, taker):
+            if p is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    said_holder, said_taker = holder_log.read_text(), taker_log.read_text()
+    assert "LeaseLost" in said_holder and "another run took it over" in said_holder, said_holder[-3000:]
+    # the holder wrote nothing after it lost the lease: no step-10 checkpoint, no result
+    assert sorted(p.name for p in (mine / "checkpoints").glob("step*")) == ["step00000005"]
+    from trainer import storage
+
+    [sft] = [p for p in storage.list_files(f"{root}/sft") if p.endswith("/manifest.json")]
+    result = storage.read_json(f"{root}/sft/{sft}")["result"]
+    assert result["steps"] == 15, result
+    if where == "other_machine":
+        assert "no checkpoint of it is on this machine" in said_taker and "restarting from the stage's input" \
+            in said_taker, said_taker[-3000:]
+        assert result["resumed_from_step"] is None, result
+        return
+    assert f"resuming from the checkpoint step00000005 left on this machine by pid {holder.pid}" in said_taker, \
+        said_taker[-3000:]
+    [theirs] = [p.parent for p in mine.parent.glob("*/holder.json") if json.loads(p.read_text())["pid"] == taker.pid]
+    assert theirs != mine and (theirs / "checkpoints" / "step00000010" / "COMMITTED").is_file()
+    assert result["resumed_from_step"] == 5, result

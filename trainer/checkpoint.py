@@ -7,15 +7,14 @@ last. Only committed tags are ever loaded; a torn one is skipped with a warning.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import Any, Callable, Iterator
 
 from trainer import storage
 from trainer.errors import InputError
@@ -24,7 +23,14 @@ log = logging.getLogger(__name__)
 COMMITTED = "COMMITTED"
 
 
+# torch and numpy are imported where used: the tasks read committed tags and set the save guard in
+# stages that never load torch
+
+
 def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -34,6 +40,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -45,6 +54,8 @@ def numerics() -> dict[str, Any]:
     """What a process's arithmetic depends on beyond the weights and data: the same weights come
     out of a resume only when these match the run that wrote the checkpoint (docs/reproducibility.md)."""
     import os
+
+    import torch
 
     from trainer.engine import DETERMINISTIC
 
@@ -65,14 +76,45 @@ class CheckpointError(InputError):
     """A checkpoint could not be written, or none of the committed ones could be read."""
 
 
+# Called on rank 0 before every save: raises when this process may no longer write its folder (the
+# stage's lease was lost, tasks/lease.py), so a run that has been taken over stops before it saves.
+_save_guard: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("save_guard", default=None)
+
+
+@contextmanager
+def guarded(check: Callable[[], None] | None) -> Iterator[None]:
+    """Run `check` before every checkpoint saved inside the block."""
+    token = _save_guard.set(check)
+    try:
+        yield
+    finally:
+        _save_guard.reset(token)
+
+
+def _check_guard() -> None:
+    from trainer.engine import any_rank, rank
+
+    check, problem = _save_guard.get(), None
+    if check is not None and rank() == 0:
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank together
+            problem = exc
+    if any_rank(problem is not None):
+        raise problem or CheckpointError("rank 0 found that this run may no longer write its folder; stopping "
+                                         "before this checkpoint (its error is in rank 0's log)")
+
+
 def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
     """Save and commit a checkpoint; keep only the newest `keep` committed ones.
 
     Raises CheckpointError naming the folder when the save fails (a full disk, most often): the torn
-    tag is removed, and the earlier committed checkpoints stay as they were."""
+    tag is removed, and the earlier committed checkpoints stay as they were. Raises whatever the
+    save guard raises (`guarded`) before writing anything."""
     from trainer.engine import rank
     import torch.distributed as dist
 
+    _check_guard()
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     state = dict(client_state, step=step, rng=rng_state(), numerics=numerics())

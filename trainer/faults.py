@@ -4,8 +4,8 @@ Two ways in:
 - a flow's `fault` parameter, e.g. {"sft": 7}: raises after SFT step 7 (a failed task and flow run);
 - the environment, POSTTRAIN_FAULT="sft@7:kill" (comma-separated): `kill` sends this process
   SIGKILL at that point, like an OOM kill or a pre-empted machine; `hang` stops there until the
-  process is killed, like a stalled machine (so a test can kill it at a known step); `raise` (the
-  default) raises.
+  process is killed, like a stalled machine (so a test can kill it at a known step); `stop` sends it
+  SIGSTOP, like a paused VM, and carries on once something sends SIGCONT; `raise` (the default) raises.
   Under the DeepSpeed launcher every rank checks; "sft@7:kill:1" fires on rank 1 only.
 
 Points: `sft` (after optimizer step n), `grpo_mid_round` (round n rolled out and scored, not yet
@@ -37,9 +37,9 @@ def parse(spec: str) -> tuple[tuple[str, int, str, int | None], ...]:
         at, _, rest = rest.partition(":")
         mode, _, on_rank = rest.partition(":")
         mode = mode or "raise"
-        if (point not in POINTS or not at.isdigit() or mode not in ("raise", "kill", "hang")
+        if (point not in POINTS or not at.isdigit() or mode not in ("raise", "kill", "hang", "stop")
                 or (on_rank and not on_rank.isdigit())):
-            raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill|hang[:RANK]] with POINT one of {POINTS}")
+            raise ValueError(f"{ENV}={spec!r}: {item!r} is not POINT@N[:raise|kill|hang|stop[:RANK]] with POINT one of {POINTS}")
         out.append((point, int(at), mode, int(on_rank) if on_rank else None))
     return tuple(out)
 
@@ -52,6 +52,9 @@ def check(point: str, n: int, faults: dict[str, int] | None = None) -> None:
         if p == point and at == n and on_rank in (None, rank()):
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                continue
             if mode == "hang":
                 print(f"injected hang at {point} {n} ({ENV}): waiting to be killed", file=sys.stderr, flush=True)
                 while True:
