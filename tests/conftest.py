@@ -26,11 +26,12 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
 os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Prefect binds its console log handler to the sys.stderr of the moment it sets up logging (at its
-# import). Import it here, under the session's capture: imported first inside a test that uses
-# capsys, it would keep writing to that test's stream, closed once the test ends, and every later
-# flow's log line would fail (seen when tests/test_s3.py ran first).
-import prefect  # noqa: E402,F401
+# Prefect binds its console log handler to the sys.stderr of the moment it sets up logging (when
+# prefect.main is imported, as `from prefect import flow` does). Do it here, under the session's
+# capture: done first inside a test that uses capsys, the handler would keep writing to that test's
+# stream, closed once the test ends, and every later flow's log line would fail (seen when
+# tests/test_s3.py ran first).
+import prefect.main  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
