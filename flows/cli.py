@@ -23,25 +23,24 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "trainer")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
+from tasks import stages  # noqa: E402
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402
-
-STAGE_COMMANDS = ["speedrun", "prepare-data", "tokenizer", "sft", "grpo", "eval"]
-STAGES = ["prepare_data", "tokenizer", "sft", "grpo", "control", "eval"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in STAGE_COMMANDS + ["config"]:
+    kinds = stages.kinds()
+    for name in ["speedrun", *stages.commands(), "config"]:
         sp = sub.add_parser(name, help=f"run the {name} flow" if name != "config" else "print the resolved config")
         sp.add_argument("--preset", default="tiny", help="preset name under configs/ or a YAML path")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. sft.lr=1e-3 (repeatable)")
         if name != "config":
-            sp.add_argument("--recompute", action="append", default=[], choices=STAGES, metavar="STAGE",
-                            help=f"recompute STAGE and every stage after it despite the cache; one of {STAGES}")
+            sp.add_argument("--recompute", action="append", default=[], choices=kinds, metavar="STAGE",
+                            help=f"recompute STAGE and every stage that reads from it despite the cache; one of {kinds}")
             sp.add_argument("--json", dest="json_out", metavar="PATH", help="also write the run's result as JSON")
             sp.add_argument("--dry-run", action="store_true",
                             help="resolve the config, check its paths and print the launch plan; run nothing")
@@ -135,15 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from tasks.plan import dry_run
 
-        until = {"speedrun": "eval", "prepare-data": "prepare_data"}.get(args.command, args.command)
-        text, problems = dry_run(cfg, until)
+        text, problems = dry_run(cfg, stages.until_for(args.command))
         print(text)
         return 2 if problems else 0
     from flows import prefect_server
 
     t0 = time.perf_counter()
     server = prefect_server.start_early()  # its start-up overlaps the imports below
-    from flows.speedrun import FLOWS
+    from flows.speedrun import flow_for
 
     prefect_server.confirm(server)
     if server is not None:
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     prefect_server.wait(server)
     kwargs = {"nightly": True} if getattr(args, "nightly", False) else {}
     try:
-        result = FLOWS[args.command](preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
+        result = flow_for(args.command)(preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

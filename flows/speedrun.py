@@ -12,31 +12,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 from pydantic import Field
 
-from flows.grpo import grpo_stage
-from tasks import report
-from tasks.control import run_control
-from tasks.eval import paired_comparison, run_eval, seen
-from tasks.pipeline import pipeline_run
-from tasks.prepare_data import prepare_data
-from tasks.sft import run_sft
-from tasks.tokenizer import train_tokenizer
+from tasks import report, stages
+from tasks.pipeline import pipeline_run, report_final, run_row
 from trainer.config import load_config, preset_names
 from trainer.faults import POINTS
-
-STAGES = ("prepare_data", "tokenizer", "sft", "grpo", "control", "eval")
 
 # Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
 Preset = Union[Literal[tuple(preset_names())],
                Annotated[str, Field(pattern=r"\.ya?ml$", description="or a path to a YAML preset")]]
 Override = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=",
                                 description="dotted override, e.g. sft.lr=1e-3")]
-Stage = Literal[STAGES]
+Stage = Literal[tuple(stages.kinds())]
 Fault = dict[Literal[POINTS], Annotated[int, Field(ge=1)]]
-
-
-def expand_recompute(stages: list[str]) -> frozenset[str]:
-    """A stage and every stage after it in STAGES (all computed from it)."""
-    return frozenset(s for stage in stages for s in STAGES[STAGES.index(stage):])
 
 
 def first_attempt() -> bool:
@@ -46,49 +33,26 @@ def first_attempt() -> bool:
     return (flow_run.run_count or 1) <= 1
 
 
-def run_pipeline(preset: str, overrides: list[str], until: str, flow_name: str,
+def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name: str,
                  fault: dict[str, int] | None = None, recompute: list[str] = (),
                  nightly: bool = False) -> dict:
+    """The rows of tasks/stages.py's table in order, up to the row named `until` (None: all of
+    them, then the headline metrics, the registered policy and the report)."""
     cfg = load_config(preset, overrides)
     fault = (fault or {}) if first_attempt() else {}
-    with pipeline_run(cfg, flow_name, expand_recompute(recompute), nightly) as run:
-        data = run.add(prepare_data(cfg, run.ref))
-        if until == "prepare_data":
-            return run.result()
-        tok = run.add(train_tokenizer(cfg, data, run.ref)) if cfg.tokenizer.train else None
-        if until == "tokenizer":
-            return run.result()
-        policy = sft = run.add(run_sft(cfg, data, tok, run.ref, fault_at_step=fault.get("sft")))
-        if until == "sft":
-            return run.result()
-        # the starting policy: SFT's, or model.pretrained as it is (sft.enabled=false); its accuracy is
-        # start_accuracy either way, and also sft_accuracy (the name older runs have) when SFT ran
-        start = "sft" if cfg.sft.enabled else "start"
-        run.logger.set_tags({"posttrain.start_policy": "sft" if cfg.sft.enabled else f"pretrained: {cfg.model.pretrained}"})
-        final_eval = sft_eval = run.add(run_eval(cfg, data, policy, run.ref))
-        run.report(start_accuracy=sft_eval["metrics"]["eval/accuracy"])
-        if cfg.sft.enabled:
-            run.report(sft_accuracy=sft_eval["metrics"]["eval/accuracy"])
-        grpo = None
-        if cfg.grpo.enabled and until in ("grpo", "eval"):
-            policy = grpo = run.add(grpo_stage(cfg, data, policy, run.ref, fault))
-            run.report(final_reward=grpo["metrics"]["grpo/final_reward_mean"])
-            if until == "grpo":
-                return run.result()
-            final_eval = run.add(run_eval(cfg, data, policy, run.ref))
-            run.report(**paired_comparison(sft_eval, final_eval),
-                       **paired_comparison(sft_eval, final_eval, "grpo_flexible_", field="correct_flexible"))
-            if cfg.control.enabled:
-                control = run.add(run_control(cfg, data, sft, grpo, run.ref))
-                control_eval = run.add(run_eval(cfg, data, control, run.ref))
-                run.report(control_accuracy=control_eval["metrics"]["eval/accuracy"],
-                           **seen(control_eval, "control"),
-                           **paired_comparison(control_eval, final_eval, "vs_control_"))
-        run.report(**seen(sft_eval, start), **seen(final_eval, "final"))
-        run.report(final_accuracy=final_eval["metrics"]["eval/accuracy"])
-        run.report(wall_seconds=run.elapsed())
-        stages = {"prepare_data": data, "sft": sft, "grpo": grpo}
-        publish_run(quote(run), quote({k: v for k, v in stages.items() if v}), policy["stage"], nightly)
+    results: dict[str, dict | None] = {}
+    with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:
+        for row in stages.until(until):
+            if not row.enabled(cfg):
+                continue
+            results[row.name] = run.add(run_row(row, cfg, results, run.ref, fault))
+            if row.report:
+                stages.load(row.report)(run, results)
+        if until is None:
+            report_final(run, results)
+            policy = results.get("grpo") or results["sft"]
+            lineage = {k: results[k] for k in ("prepare_data", "sft", "grpo") if results.get(k)}
+            publish_run(quote(run), quote(lineage), policy["stage"], nightly)
     return run.result()
 
 
@@ -120,38 +84,28 @@ def speedrun(preset: Preset = "tiny", overrides: list[Override] = [], recompute:
         nightly: tag the MLflow run as a nightly and compare it with the best earlier nightly
         fault: test hook: {point: n} fails once at that point (first attempt of a flow run only)
     """
-    return run_pipeline(preset, overrides, "eval", "speedrun", fault, recompute, nightly)
+    return run_pipeline(preset, overrides, None, "speedrun", fault, recompute, nightly)
 
 
-@flow(name="prepare_data")
-def prepare_data_flow(preset: Preset = "tiny", overrides: list[Override] = [],  # noqa: B006
-                      recompute: list[Stage] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "prepare_data", "prepare_data", recompute=recompute)
+def _command_flow(row: stages.Stage):
+    """The flow of a row's command: the pipeline up to that row (the last row's: all of it, its
+    final headline metrics included)."""
+    until = stages.until_for(row.command)
+
+    @flow(name=row.kind)
+    def stage_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
+                   fault: Fault = {}) -> dict:  # noqa: B006
+        return run_pipeline(preset, overrides, until, row.kind, fault, recompute)
+
+    stage_flow.__doc__ = f"The pipeline up to {row.name}, each stage from cache when it is there."
+    return stage_flow
 
 
-@flow(name="tokenizer")
-def tokenizer_flow(preset: Preset = "tiny", overrides: list[Override] = [],  # noqa: B006
-                   recompute: list[Stage] = []) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "tokenizer", "tokenizer", recompute=recompute)
+# `posttrain <command>` and prefect.yaml's entrypoints (flows/speedrun.py:sft_flow, ...)
+FLOWS = {"speedrun": speedrun, **{command: _command_flow(row) for command, row in stages.commands().items()}}
+globals().update({f"{row.kind}_flow": FLOWS[command] for command, row in stages.commands().items()})
 
 
-@flow(name="sft")
-def sft_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
-             fault: Fault = {}) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "sft", "sft", fault, recompute)
-
-
-@flow(name="grpo")
-def grpo_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
-              fault: Fault = {}) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "grpo", "grpo", fault, recompute)
-
-
-@flow(name="eval")
-def eval_flow(preset: Preset = "tiny", overrides: list[Override] = [], recompute: list[Stage] = [],  # noqa: B006
-              fault: Fault = {}) -> dict:  # noqa: B006
-    return run_pipeline(preset, overrides, "eval", "eval", fault, recompute)
-
-
-FLOWS = {"speedrun": speedrun, "prepare-data": prepare_data_flow, "tokenizer": tokenizer_flow,
-         "sft": sft_flow, "grpo": grpo_flow, "eval": eval_flow}
+def flow_for(command: str):
+    """The flow of `posttrain <command>` (built now for a row added to the table since import)."""
+    return FLOWS.get(command) or _command_flow(stages.commands()[command])

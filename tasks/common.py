@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tasks import lease
-from tasks.keys import RULES, code_version, extent, resolve
+from tasks.keys import code_version, extent, resolve, rule_for
 from trainer import storage
 from trainer.config import RunConfig
 from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
@@ -33,9 +33,6 @@ from trainer.procwatch import process_gone
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
-# The config sections each stage logs and records (eval's label varies: "eval", "eval (grpo)");
-# which of their fields are keyed, and what is keyed by content, is tasks/keys.py's table.
-SECTIONS: dict[str, tuple[str, ...]] = {name: rule.sections for name, rule in RULES.items()}
 
 
 # ---------------------------------------------------------------- tracking
@@ -286,7 +283,6 @@ def _cache_hit(stage: str, where, ref: TrackingRef, t0: float) -> dict[str, Any]
 def run_stage(
     stage: str,
     cfg: RunConfig,
-    sections: tuple[str, ...],
     inputs: dict[str, dict | None],
     body: Callable[[Path, MlflowLogger], dict[str, Any]],
     ref: TrackingRef,
@@ -321,12 +317,12 @@ def run_stage(
                 fresh = True
             token = _held.set(held)
             try:
-                return _compute(stage, cfg, sections, inputs, body, ref, where, held, fresh, t0)
+                return _compute(stage, cfg, inputs, body, ref, where, held, fresh, t0)
             finally:
                 _held.reset(token)
 
 
-def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
+def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
              t0: float) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
@@ -362,6 +358,7 @@ def _compute(stage, cfg, sections, inputs, body, ref: TrackingRef, where, held: 
                     "them; it ran on %s): restarting from the stage's input", stage, took_over,
                     held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
+    sections = rule_for(stage).sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
     try:

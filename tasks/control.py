@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.common import SECTIONS, TrackingRef, prefect_logger, run_launched, run_stage
+from tasks.common import prefect_logger, run_launched
 from tasks.sft import model_dir, train_and_export
 
 
@@ -47,9 +44,10 @@ def control_config(cfg, sft: dict, steps: int):
     return cfg.model_copy(update={"sft": sft_cfg, "model": model, "tokenizer": tokenizer, "seed": cfg.seed + 1})
 
 
-@task(name="control", cache_policy=NO_CACHE)
-def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dict:
-    def body(work: Path, logger) -> dict:
+def body(cfg, inputs: dict, ref, fault: dict):
+    data, sft, grpo = inputs["data"], inputs["sft"], inputs["grpo"]
+
+    def compute(work: Path, logger) -> dict:
         steps = control_steps(cfg, sft, grpo)
         run_cfg = control_config(cfg, sft, steps)
         if cfg.control.steps is not None:
@@ -69,4 +67,4 @@ def run_control(cfg, data: dict, sft: dict, grpo: dict, ref: TrackingRef) -> dic
         logger.log_metrics(metrics)
         return {**out, "metrics": {**out["metrics"], **metrics}}
 
-    return run_stage("control", cfg, SECTIONS["control"], {"data": data, "sft": sft, "grpo": grpo}, body, ref)
+    return compute

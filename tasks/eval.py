@@ -10,18 +10,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 from trainer import storage
 
 
-@task(name="eval", cache_policy=NO_CACHE)
-def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval") -> dict:
-    def body(work: Path, logger) -> dict:
+def body(cfg, inputs: dict, ref, fault: dict):
+    data, model = inputs["data"], inputs["model"]
+
+    def compute(work: Path, logger) -> dict:
         # torch and transformers load here, not at import: a fully cached run never needs them
         from trainer.engine import device
         from trainer.evaluate import evaluate
@@ -61,7 +58,7 @@ def run_eval(cfg, data: dict, model: dict, ref: TrackingRef, label: str = "eval"
         evaluated_stage = "start" if model.get("skipped") else model["stage"]
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": evaluated_stage}
 
-    return run_stage(label, cfg, SECTIONS["eval"], {"data": data, "model": model}, body, ref)
+    return compute
 
 
 def seen_sample(train: list[dict], n: int, seed: int) -> list[dict]:

@@ -1,8 +1,13 @@
-"""GRPO round steps as Prefect tasks: rollout, reward, update (+ weight sync), eval, checkpoint.
+"""The GRPO stage as rounds of Prefect tasks: rollout -> reward -> update (+ weight sync) -> eval /
+checkpoint.
 
-The trainer object lives in this process across tasks (it holds the DeepSpeed engine). Callers
-wrap the trainer and batches in `quote()` so Prefect does not walk thousands of token ids
-looking for futures.
+    posttrain grpo --preset tiny
+
+With one rank the rounds run in this process and each step is a task in the Prefect UI; the
+trainer object lives in this process across tasks (it holds the DeepSpeed engine), wrapped in
+`quote()` so Prefect does not walk thousands of token ids looking for futures. With several
+(grpo.deepspeed.ranks_per_node > 1) the same loop runs on every rank under the DeepSpeed launcher,
+supervised by the stage's task; rank 0's per-round lines stream into its log.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from tasks.common import prefect_logger
+from tasks.common import prefect_logger, run_launched
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 
@@ -159,3 +164,30 @@ def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, a
     finally:
         # servers this stage launched stop however it ends (a SIGKILL is the wrapper's job)
         trainer.engine.close()
+
+
+def body(cfg, inputs: dict, ref, fault: dict):
+    data, sft = inputs["data"], inputs["sft"]
+
+    def compute(work, logger) -> dict:
+        if not cfg.grpo.deepspeed.launched:
+            return train_rounds(cfg, data, sft, work, logger, fault)
+        servers = None
+        run_cfg = cfg
+        if cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.urls:
+            # the task owns the SGLang servers: started once here, shared by every rank, stopped
+            # when the stage ends however it ends
+            servers = launch_sglang(cfg, sft)
+            run_cfg = with_sglang_urls(cfg, [s.url for s in servers.servers])
+        try:
+            return run_launched("grpo", run_cfg, cfg.grpo.deepspeed, work, ref, logger, {**inputs, "fault": fault})
+        finally:
+            if servers is not None:
+                servers.close()
+
+    return compute
+
+
+def on_rank(cfg, inputs: dict, work, logger) -> dict:
+    """The body of a rank launched by the DeepSpeed launcher: every round, steps called directly."""
+    return train_rounds(cfg, inputs["data"], inputs["sft"], work, logger, inputs.get("fault"), as_tasks=False)

@@ -83,16 +83,16 @@ def fingerprint(ref: str | None) -> str | None:
     return f"name:{ref}"  # a hub name (or a path that is not there: the stage itself reports that)
 
 
-def _data_content(cfg: RunConfig) -> dict[str, Any]:
+def data_content(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.data
     return {"train": fingerprint(d.train), "test": fingerprint(d.test)} if d.source == "files" else {}
 
 
-def _model_content(cfg: RunConfig) -> dict[str, Any]:
+def model_content(cfg: RunConfig) -> dict[str, Any]:
     return {"pretrained": fingerprint(cfg.model.pretrained)} if cfg.model.pretrained else {}
 
 
-def _reward_content(cfg: RunConfig) -> dict[str, Any]:
+def reward_content(cfg: RunConfig) -> dict[str, Any]:
     """Custom rewards by their module's source, reward models by their folder (built-in rewards are
     part of the code version)."""
     from trainer.rewards import BUILTIN, split_dotted
@@ -113,7 +113,7 @@ def _reward_content(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------- the table
+# ---------------------------------------------------------------- key rules (each row of tasks/stages.py has one)
 
 @dataclass(frozen=True)
 class KeyRule:
@@ -129,28 +129,17 @@ SFT_UNKEYED = {
     "sft.deepspeed.timeout_s": "how long the launch may take",
 }
 
-RULES: dict[str, KeyRule] = {
-    "prepare_data": KeyRule(("data",), content=_data_content),
-    "tokenizer": KeyRule(("tokenizer",)),
-    "sft": KeyRule(("model", "tokenizer", "sft"), unkeyed=SFT_UNKEYED, content=_model_content),
-    "grpo": KeyRule(("rollout", "grpo"), unkeyed={
-        "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
-        "grpo.checkpoint_every": "resume from any checkpoint is exact",
-        "grpo.sample_table_every": "how often sample tables are logged",
-        "grpo.eval_every": "periodic evals observe the policy; they do not change its weights",
-        "grpo.eval_examples": "periodic evals observe the policy",
-        "grpo.pass_k": "periodic evals observe the policy",
-        "grpo.deepspeed.timeout_s": "how long the launch may take",
-        "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
-    }, content=_reward_content, extends="grpo.rounds"),
-    "control": KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=_model_content),  # runs SFT
-    # which engine answers matters: SGLang's greedy tokens can differ from HF generate's by rounding
-    "eval": KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine}),
-}
+def rules() -> dict[str, KeyRule]:
+    """Each stage kind's rule, from the stage table (tasks/stages.py)."""
+    from tasks.stages import STAGES
+
+    return {s.kind: s.key for s in STAGES}
 
 
 def rule_for(stage: str) -> KeyRule:
-    return RULES[stage.split(" ")[0]]  # "eval (grpo)" follows eval's rule
+    from tasks.stages import of_kind
+
+    return of_kind(stage.split(" ")[0]).key  # "eval (grpo)" follows eval's rule
 
 
 def keyed_config(cfg: RunConfig, stage: str) -> dict[str, Any]:

@@ -145,3 +145,70 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     if "wall_seconds" not in pipe.headline:
         pipe.report(wall_seconds=pipe.elapsed())
     client.set_terminated(run.info.run_id)
+
+
+# ---------------------------------------------------------------- running the table's rows
+
+def run_row(stage, cfg: RunConfig, results: dict[str, dict | None], ref: TrackingRef,
+            fault: dict[str, int]) -> dict[str, Any]:
+    """One row of tasks/stages.py's table, from the results of the rows before it: a Prefect task
+    of its own (a row whose steps are tasks, GRPO's, runs in the flow itself)."""
+    from tasks import stages
+    from tasks.common import run_stage
+
+    inputs = stage.inputs_from(results)
+    compute = stages.load(stage.body)(cfg, inputs, ref, fault)
+
+    def run() -> dict[str, Any]:
+        return run_stage(stage.kind, cfg, inputs, compute, ref)
+
+    if not stage.task:
+        return run()
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    return task(name=stage.kind, cache_policy=NO_CACHE)(run)()
+
+
+def report_start(run: PipelineRun, results: dict) -> None:
+    cfg = run.cfg
+    run.logger.set_tags({"posttrain.start_policy": "sft" if cfg.sft.enabled else f"pretrained: {cfg.model.pretrained}"})
+
+
+def report_start_eval(run: PipelineRun, results: dict) -> None:
+    # the starting policy's accuracy is start_accuracy either way, and also sft_accuracy (the name
+    # older runs have) when SFT ran
+    accuracy = results["eval (sft)"]["metrics"]["eval/accuracy"]
+    run.report(start_accuracy=accuracy)
+    if run.cfg.sft.enabled:
+        run.report(sft_accuracy=accuracy)
+
+
+def report_grpo(run: PipelineRun, results: dict) -> None:
+    run.report(final_reward=results["grpo"]["metrics"]["grpo/final_reward_mean"])
+
+
+def report_grpo_eval(run: PipelineRun, results: dict) -> None:
+    from tasks.eval import paired_comparison
+
+    before, after = results["eval (sft)"], results["eval (grpo)"]
+    run.report(**paired_comparison(before, after),
+               **paired_comparison(before, after, "grpo_flexible_", field="correct_flexible"))
+
+
+def report_control_eval(run: PipelineRun, results: dict) -> None:
+    from tasks.eval import paired_comparison, seen
+
+    control, final = results["eval (control)"], results["eval (grpo)"]
+    run.report(control_accuracy=control["metrics"]["eval/accuracy"], **seen(control, "control"),
+               **paired_comparison(control, final, "vs_control_"))
+
+
+def report_final(run: PipelineRun, results: dict) -> None:
+    """Once every row ran: the final policy's headline metrics."""
+    from tasks.eval import seen
+
+    start, final = results["eval (sft)"], results.get("eval (grpo)") or results["eval (sft)"]
+    run.report(**seen(start, "sft" if run.cfg.sft.enabled else "start"), **seen(final, "final"))
+    run.report(final_accuracy=final["metrics"]["eval/accuracy"])
+    run.report(wall_seconds=run.elapsed())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common import scratch_root, work_dir_for
@@ -78,10 +79,88 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
             f"{port_note}", f"  $ {shlex.join(plan.command)}"]
 
 
-def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
-    """(the plan as text, the problems found). A run is safe to start when there are no problems."""
+def plan_sft(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
+    if cfg.sft.enabled:
+        return _how("sft", cfg.sft.deepspeed, folder)
+    return [f"  sft: off (sft.enabled=false): {cfg.model.pretrained} is the starting policy, committed as this "
+            "stage's model in this process; the evals and GRPO start from it"]
+
+
+def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
     from trainer.rollout import groups_per_chunk, groups_per_round
     from trainer.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
+
+    lines = _how("grpo", cfg.grpo.deepspeed, folder)
+    r = cfg.rollout
+    groups = groups_per_round(r)
+    chunks = math.ceil(groups / groups_per_chunk(r))
+    world = cfg.grpo.deepspeed.world_size
+    lines.append(f"  rollouts per round: {groups} groups x {r.n_samples_per_prompt} samples in {chunks} chunk(s) of "
+                 f"up to {r.batch_size} sequences, shared by {world} rank(s)")
+    if chunks < world:
+        notes.append(f"rollout.batch_size={r.batch_size}: a round has only {chunks} chunk(s) for {world} ranks, so "
+                     f"{world - chunks} rank(s) wait while the others generate; set rollout.batch_size to at most "
+                     f"{groups * r.n_samples_per_prompt // world}")
+    if r.engine == "hf":
+        lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
+        return lines
+    if r.sglang.urls:
+        lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (round-robin)")
+        return lines
+    model_url = storage.join(cfg.artifact_root, "sft", inputs["sft"]["key"], "model")
+    model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)
+                  else str(storage.local_dir(model_url)))
+    lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
+                 f"{r.sglang.gpus_per_server} GPU(s) each:")
+    for i in range(r.sglang.num_servers):
+        cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i, cfg.model.dtype)
+        try:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.sglang, i).items())
+        except SGLangError as exc:
+            problems.append(str(exc))
+            env = "CUDA_VISIBLE_DEVICES=?"
+        lines.append(f"  $ {env} {shlex.join(cmd)}")
+    problem = check_server_python(r.sglang)
+    if problem:
+        notes.append(f"{problem} (on the machine that runs grpo)")
+    train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
+    server_set = {p for i in range(r.sglang.num_servers) for p in server_gpu_positions(r.sglang, i)}
+    if train_gpus & server_set:
+        notes.append(f"GPUs {sorted(train_gpus & server_set)} are shared by training ranks and SGLang servers: "
+                     "fine on one GPU (mem_fraction_static leaves room), otherwise set "
+                     "rollout.sglang.first_gpu past the training ranks")
+    return lines
+
+
+def plan_control(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
+    budget = (f"{cfg.control.steps} steps (control.steps)" if cfg.control.steps is not None else
+              f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
+    start = "the SFT policy" if cfg.sft.enabled else "the starting policy"
+    return [f"  SFT-only control: SFT continued from {start} at lr {cfg.control.lr:g} for {budget}",
+            *_how("sft", cfg.sft.deepspeed, folder)]  # the control runs the sft body
+
+
+def plan_eval(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
+    model = row.inputs["model"]
+    policy = ("the starting policy (model.pretrained)" if model == "sft" and not cfg.sft.enabled
+              else f"the {model} policy")
+    seen = f", and on {cfg.eval.seen_examples} training problems (seen)" if cfg.eval.seen_examples else ""
+    return [f"  greedy accuracy of {policy} on the held-out split{seen}"]
+
+
+@dataclass
+class Walk:
+    lines: list[str]
+    notes: list[str]
+    problems: list[str]
+    keys: dict[str, str]  # row name -> the result key the run would compute
+
+
+def walk(cfg: RunConfig, until: str | None = None) -> Walk:
+    """The table's rows (tasks/stages.py) up to `until`, as a run would take them: each row's folder
+    and key from its inputs' keys, its cache state and its launch plan."""
+    from tasks import stages
+    from tasks.keys import result_key, stage_key
 
     problems: list[str] = []
     notes: list[str] = []
@@ -98,90 +177,33 @@ def dry_run(cfg: RunConfig, until: str = "eval") -> tuple[str, list[str]]:
             problems.append(f"{section}.deepspeed.hostfile: {hostfile!r} does not exist; write a DeepSpeed hostfile")
 
     lines = [f"preset {cfg.name}: artifacts under {cfg.artifact_root}", ""]
-    manifests: dict[str, dict | None] = {}
-
-    def stage(name: str, inputs: dict[str, dict | None]) -> str:
+    keys: dict[str, str] = {}
+    results: dict[str, dict | None] = {}
+    for row in stages.until(until):
+        if not row.enabled(cfg):
+            continue
+        inputs = row.inputs_from(results)
         try:
-            where = resolve(cfg, name, inputs)
-        except Exception:  # an unreachable S3 root, a missing file: reported above
-            from tasks.keys import result_key, stage_key
-
-            folder_key = stage_key(cfg, name, inputs)
-            where = None
-            key, folder, state = result_key(cfg, name, folder_key), storage.join(cfg.artifact_root, name, folder_key), "will run"
-        if where is not None:
+            where = resolve(cfg, row.kind, inputs)
             key, folder = where.key, where.folder
             state = ("cached" if where.manifest is not None else
                      f"will continue from {where.continues_from}" if where.continues_from is not None else "will run")
-        manifests[name] = {"key": key}
-        lines.append(f"{name:<13} {folder}  ({state})")
-        return folder
+        except Exception:  # an unreachable S3 root, a missing file: reported above
+            folder_key = stage_key(cfg, row.kind, inputs)
+            key, folder, state = (result_key(cfg, row.kind, folder_key), storage.join(cfg.artifact_root, row.kind,
+                                                                                      folder_key), "will run")
+        results[row.name] = {"key": key}
+        keys[row.name] = key
+        lines.append(f"{row.name:<15} {folder}  ({state})")
+        if row.plan:
+            lines += stages.load(row.plan)(cfg, row, folder, inputs, notes, problems)
+    return Walk(lines, notes, problems, keys)
 
-    stage("prepare_data", {})
-    tok_inputs = None
-    if cfg.tokenizer.train:
-        stage("tokenizer", {"data": manifests["prepare_data"]})
-        tok_inputs = manifests["tokenizer"]
-    if until not in ("prepare_data", "tokenizer"):
-        folder = stage("sft", {"data": manifests["prepare_data"], "tokenizer": tok_inputs})
-        if cfg.sft.enabled:
-            lines += _how("sft", cfg.sft.deepspeed, folder)
-        else:
-            lines.append(f"  sft: off (sft.enabled=false): {cfg.model.pretrained} is the starting policy, "
-                         "committed as this stage's model in this process; the evals and GRPO start from it")
-    if until in ("grpo", "eval") and cfg.grpo.enabled:
-        folder = stage("grpo", {"data": manifests["prepare_data"], "sft": manifests["sft"]})
-        lines += _how("grpo", cfg.grpo.deepspeed, folder)
-        r = cfg.rollout
-        groups = groups_per_round(r)
-        chunks = math.ceil(groups / groups_per_chunk(r))
-        world = cfg.grpo.deepspeed.world_size
-        lines.append(f"  rollouts per round: {groups} groups x {r.n_samples_per_prompt} samples in {chunks} chunk(s) of "
-                     f"up to {r.batch_size} sequences, shared by {world} rank(s)")
-        if chunks < world:
-            notes.append(f"rollout.batch_size={r.batch_size}: a round has only {chunks} chunk(s) for {world} ranks, so "
-                         f"{world - chunks} rank(s) wait while the others generate; set rollout.batch_size to at most "
-                         f"{groups * r.n_samples_per_prompt // world}")
-        if r.engine == "hf":
-            lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
-        elif r.sglang.urls:
-            lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (round-robin)")
-        else:
-            model_url = storage.join(cfg.artifact_root, "sft", manifests["sft"]["key"], "model")
-            model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)
-                          else str(storage.local_dir(model_url)))
-            lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
-                         f"{r.sglang.gpus_per_server} GPU(s) each:")
-            for i in range(r.sglang.num_servers):
-                cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i, cfg.model.dtype)
-                try:
-                    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(r.sglang, i).items())
-                except SGLangError as exc:
-                    problems.append(str(exc))
-                    env = "CUDA_VISIBLE_DEVICES=?"
-                lines.append(f"  $ {env} {shlex.join(cmd)}")
-            problem = check_server_python(r.sglang)
-            if problem:
-                notes.append(f"{problem} (on the machine that runs grpo)")
-            train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
-            server_set = {p for i in range(r.sglang.num_servers) for p in server_gpu_positions(r.sglang, i)}
-            if train_gpus & server_set:
-                notes.append(f"GPUs {sorted(train_gpus & server_set)} are shared by training ranks and SGLang servers: "
-                             "fine on one GPU (mem_fraction_static leaves room), otherwise set "
-                             "rollout.sglang.first_gpu past the training ranks")
-    if until == "eval" and cfg.grpo.enabled and cfg.control.enabled:
-        folder = stage("control", {"data": manifests["prepare_data"], "sft": manifests["sft"], "grpo": manifests["grpo"]})
-        budget = (f"{cfg.control.steps} steps (control.steps)" if cfg.control.steps is not None else
-                  f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
-        start = "the SFT policy" if cfg.sft.enabled else "the starting policy"
-        lines.append(f"  SFT-only control: SFT continued from {start} at lr {cfg.control.lr:g} for {budget}")
-        lines += _how("sft", cfg.sft.deepspeed, folder)  # the control runs the sft body
-    if until == "eval":
-        first = "sft" if cfg.sft.enabled else "the starting policy (model.pretrained)"
-        rest = ", grpo and the control" if cfg.grpo.enabled and cfg.control.enabled else " and after grpo"
-        after = first + rest
-        seen = f"; on {cfg.eval.seen_examples} training problems too (seen)" if cfg.eval.seen_examples else ""
-        lines.append(f"{'eval':<13} after {after}: greedy accuracy on the held-out split{seen}")
+
+def dry_run(cfg: RunConfig, until: str | None = None) -> tuple[str, list[str]]:
+    """(the plan as text, the problems found). A run is safe to start when there are no problems."""
+    w = walk(cfg, until)
+    lines, notes, problems = w.lines, w.notes, w.problems
     try:
         import torch
 

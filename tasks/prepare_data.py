@@ -7,18 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.common import SECTIONS, TrackingRef, run_stage
 from trainer import data as D
 from trainer import storage
 from trainer.config import RunConfig
 
 
-@task(name="prepare_data", cache_policy=NO_CACHE)
-def prepare_data(cfg: RunConfig, ref: TrackingRef) -> dict:
-    def body(work: Path, logger) -> dict:
+def body(cfg: RunConfig, inputs: dict, ref, fault: dict):
+    def compute(work: Path, logger) -> dict:
         prepared = D.prepare(cfg.data, cfg.seed)
         files = {
             "train.jsonl": storage.write_jsonl(str(work / "train.jsonl"), prepared.train),
@@ -34,7 +29,7 @@ def prepare_data(cfg: RunConfig, ref: TrackingRef) -> dict:
                           for ex in prepared.train[:20]], "data_samples.json")
         return {"metrics": metrics, "files": files}
 
-    return run_stage("prepare_data", cfg, SECTIONS["prepare_data"], {}, body, ref)
+    return compute
 
 
 def load_split(manifest: dict, split: str) -> list[dict]:

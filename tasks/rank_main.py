@@ -33,15 +33,14 @@ def _watch_supervisor(pid: int, every_s: float = 2.0) -> None:
 
 
 def run_body(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
-    if stage == "sft":
-        from tasks.sft import train_and_export
+    """The rank body of `stage` (a kind in tasks/stages.py's table)."""
+    from tasks import stages
 
-        return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"))
-    if stage == "grpo":
-        from tasks.grpo import train_rounds
-
-        return train_rounds(cfg, inputs["data"], inputs["sft"], work, logger, inputs.get("fault"), as_tasks=False)
-    raise ValueError(f"unknown stage {stage!r}; the launcher runs sft or grpo")
+    row = stages.of_kind(stage)
+    if row.rank_body is None:
+        raise ValueError(f"stage {stage!r} has no rank body in tasks/stages.py; the launcher runs "
+                         f"{[s.kind for s in stages.STAGES if s.rank_body]}")
+    return stages.load(row.rank_body)(cfg, inputs, work, logger)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.common import SECTIONS, TrackingRef, run_launched, run_stage
+from tasks.common import run_launched
 from tasks.prepare_data import load_split
 from tasks.tokenizer import tokenizer_dir
 from trainer import storage
@@ -61,15 +58,18 @@ def export_pretrained(model, tok, work: Path, logger) -> dict:
             "result": {"steps": 0, "state_hash": ds.state_dict_hash(model), "resumed_from_step": None}}
 
 
-@task(name="sft", cache_policy=NO_CACHE)
-def run_sft(cfg, data: dict, tokenizer: dict | None, ref: TrackingRef, fault_at_step: int | None = None) -> dict:
-    def body(work: Path, logger) -> dict:
+def body(cfg, inputs: dict, ref, fault: dict):
+    def compute(work: Path, logger) -> dict:
         if cfg.sft.deepspeed.launched and cfg.sft.enabled:
-            return run_launched("sft", cfg, cfg.sft.deepspeed, work, ref, logger,
-                                {"data": data, "tokenizer": tokenizer, "fault": fault_at_step})
-        return train_and_export(cfg, data, tokenizer, work, logger, fault_at_step)
+            return run_launched("sft", cfg, cfg.sft.deepspeed, work, ref, logger, {**inputs, "fault": fault.get("sft")})
+        return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, fault.get("sft"))
 
-    return run_stage("sft", cfg, SECTIONS["sft"], {"data": data, "tokenizer": tokenizer}, body, ref)
+    return compute
+
+
+def on_rank(cfg, inputs: dict, work: Path, logger) -> dict:
+    """The body of a rank launched by the DeepSpeed launcher (the SFT-only control's too)."""
+    return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"))
 
 
 def model_dir(manifest: dict) -> Path:

@@ -7,20 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.common import SECTIONS, TrackingRef, run_stage
 from tasks.prepare_data import load_split
 from trainer import storage
 
 
-@task(name="tokenizer", cache_policy=NO_CACHE)
-def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
-    def body(work: Path, logger) -> dict:
+def body(cfg, inputs: dict, ref, fault: dict):
+    def compute(work: Path, logger) -> dict:
         from trainer.tokenizer import train_tokenizer as train_bpe  # transformers: only when it runs
 
-        train = load_split(data, "train")
+        train = load_split(inputs["data"], "train")
         texts = (m["content"] for ex in train for m in ex["messages"])
         tok = train_bpe(texts, cfg.tokenizer.vocab_size, work / "tokenizer")
         sample = train[0]["messages"]
@@ -30,7 +25,7 @@ def train_tokenizer(cfg, data: dict, ref: TrackingRef) -> dict:
         logger.log_metrics(metrics)
         return {"metrics": metrics, "tokenizer_subdir": "tokenizer"}
 
-    return run_stage("tokenizer", cfg, SECTIONS["tokenizer"], {"data": data}, body, ref)
+    return compute
 
 
 def tokenizer_dir(manifest: dict) -> Path:

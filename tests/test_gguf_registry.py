@@ -74,4 +74,5 @@ def test_the_dry_run_names_the_registry_file_and_where_it_goes(tmp_path, cache):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fetched from the package registry on first use" in out.stdout
     assert "sft: off (sft.enabled=false)" in out.stdout
-    assert "eval          after the starting policy (model.pretrained) and after grpo" in out.stdout
+    assert "greedy accuracy of the starting policy (model.pretrained) on the held-out split" in out.stdout
+    assert "greedy accuracy of the grpo policy on the held-out split" in out.stdout

@@ -120,3 +120,17 @@ def test_mlflow_has_the_run_and_its_stages(run):
     assert parent.data.params["model.pretrained"].endswith("qwen-like")
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert {"prepare_data", "sft", "eval", "grpo"} <= {r.data.tags.get("posttrain.stage") for r in children}
+
+
+def test_the_dry_run_has_the_keys_of_the_run(run):
+    """The GPU preset's dry run (the stage table walked with this run's config) names the keys the
+    run computed, for every stage it ran, and finds them all cached."""
+    from tasks.plan import dry_run, walk
+    from trainer.config import load_config
+
+    root, result, _ = run
+    cfg = load_config(PRESET, overrides(root / "qwen-like", 30000) + [f"artifact_root={root / 'artifacts'}"])
+    plan = walk(cfg)
+    assert list(plan.keys.values()) == [s["key"] for s in result["stages"]], (plan.keys, result["stages"])
+    text, _ = dry_run(cfg)
+    assert text.count("(cached)") == len(result["stages"]), text

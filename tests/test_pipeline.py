@@ -27,6 +27,22 @@ def first_run(tmp_path_factory):
     return root, overrides, speedrun(preset="tiny", overrides=overrides)
 
 
+def test_the_dry_run_has_the_keys_of_the_run(first_run):
+    """`--dry-run` walks the stage table as the run does: the same rows, with the same keys, all
+    cached after the run."""
+    from tasks.plan import dry_run, walk
+    from trainer.config import load_config
+
+    root, overrides, result = first_run
+    cfg = load_config("tiny", overrides)
+    plan = walk(cfg)
+    assert list(plan.keys.values()) == [s["key"] for s in result["stages"]]
+    assert list(plan.keys) == ["prepare_data", "tokenizer", "sft", "eval (sft)", "grpo", "eval (grpo)", "control",
+                               "eval (control)"]
+    text, problems = dry_run(cfg)
+    assert not problems and text.count("(cached)") == len(result["stages"]), text
+
+
 def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
     root, _, result = first_run
     assert [s["stage"] for s in result["stages"]] == STAGES

@@ -154,10 +154,9 @@ def retain_freed_memory() -> bool:
 
     A training step allocates and frees the same few-megabyte activations and gradients every time.
     glibc serves blocks above its mmap threshold with fresh mappings and trims the heap's free top
-    back to the OS, so every step faults those pages in again, each zero-filled: about 5,500 page
-    faults an update on the reference workload, at 2.4 us each in a VM here (13 ms of a 140 ms
-    update). With the mmap threshold at 64 MiB and the trim threshold at 1 GiB, freed blocks are
-    reused instead (under 1,000 faults an update). Peak memory is unchanged; memory once used stays
+    back to the OS, so every step faults those pages in again, each zero-filled (docs/performance.md has
+    the count and its cost). With the mmap threshold at 64 MiB and the trim threshold at 1 GiB, freed
+    blocks are reused instead. Peak memory is unchanged; memory once used stays
     with the process, up to 1 GiB more free heap than glibc would keep. No effect off glibc or
     with POSTTRAIN_MALLOC_TUNING=0. Returns whether the setting took."""
     global _malloc_tuned

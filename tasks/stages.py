@@ -1,0 +1,153 @@
+"""The pipeline's stages, in one table.
+
+Each row says what a stage reads (its inputs: earlier rows), what its result is keyed on, what
+computes it, whether the config turns it on, and whether it has a command of its own. Everything
+else is derived from this table, so adding a stage is adding a row:
+
+- the speedrun flow and a flow and CLI command per `command` (flows/speedrun.py, flows/cli.py):
+  they run the rows in order, each from its inputs' results, up to the command's row;
+- `--recompute` choices, and what a recompute takes with it (every row downstream of it);
+- the cache keys (tasks/keys.py: `rule_for`);
+- the dry run (tasks/plan.py), which resolves each row's folder from the same inputs;
+- which body a rank launched by the DeepSpeed launcher runs (tasks/rank_main.py).
+
+Bodies are named as "module:function" and imported when used: the CLI reads this table for its
+commands without loading Prefect, torch or the stages' code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tasks.keys import SFT_UNKEYED, KeyRule, data_content, model_content, reward_content
+from trainer.config import RunConfig
+
+
+def _always(cfg: RunConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str                    # the row's name: the summary's label, the results' key ("eval (grpo)")
+    kind: str                    # its folder under artifact_root, its --recompute name; rows may share one
+    key: KeyRule                 # the config sections keyed, the fields not keyed, content read from outside
+    body: str                    # "module:function": (cfg, inputs, ref, fault) -> the body run_stage runs,
+                                 # body(work_dir, logger) -> {"metrics": ..., ...}
+    inputs: dict[str, str] = field(default_factory=dict)  # the body's input -> the row whose result it is
+    enabled: Callable[[RunConfig], bool] = _always         # off: skipped, and its dependants get None
+    command: str | None = None   # a CLI command and Prefect flow of its own: the pipeline up to this row
+    task: bool = True            # a Prefect task of its own (GRPO's rounds are tasks instead)
+    rank_body: str | None = None  # "module:function" a launched rank runs: (cfg, inputs, work, logger) -> dict
+    plan: str | None = None      # "module:function": its dry-run lines, (cfg, row, folder, inputs, notes, problems)
+    report: str | None = None    # "module:function": headline metrics once it ran, (run, results) -> None
+
+    def inputs_from(self, results: dict[str, dict | None]) -> dict[str, dict | None]:
+        return {name: results.get(row) for name, row in self.inputs.items()}
+
+
+EVAL_KEY = KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine})
+
+
+def _grpo_on(cfg: RunConfig) -> bool:
+    return cfg.grpo.enabled
+
+
+def _control_on(cfg: RunConfig) -> bool:
+    return cfg.grpo.enabled and cfg.control.enabled
+
+
+STAGES: list[Stage] = [
+    Stage("prepare_data", "prepare_data", KeyRule(("data",), content=data_content), "tasks.prepare_data:body",
+          command="prepare-data"),
+    Stage("tokenizer", "tokenizer", KeyRule(("tokenizer",)), "tasks.tokenizer:body", {"data": "prepare_data"},
+          enabled=lambda cfg: cfg.tokenizer.train, command="tokenizer"),
+    Stage("sft", "sft", KeyRule(("model", "tokenizer", "sft"), unkeyed=SFT_UNKEYED, content=model_content),
+          "tasks.sft:body", {"data": "prepare_data", "tokenizer": "tokenizer"}, command="sft",
+          rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start"),
+    Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
+          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval"),
+    Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
+        "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
+        "grpo.checkpoint_every": "resume from any checkpoint is exact",
+        "grpo.sample_table_every": "how often sample tables are logged",
+        "grpo.eval_every": "periodic evals observe the policy; they do not change its weights",
+        "grpo.eval_examples": "periodic evals observe the policy",
+        "grpo.pass_k": "periodic evals observe the policy",
+        "grpo.deepspeed.timeout_s": "how long the launch may take",
+        "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
+    }, content=reward_content, extends="grpo.rounds"),
+          "tasks.grpo:body", {"data": "prepare_data", "sft": "sft"}, enabled=_grpo_on, command="grpo", task=False,
+          rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo"),
+    Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},
+          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval"),
+    # the SFT-only control runs SFT's body (and so its key rule's fields)
+    Stage("control", "control", KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=model_content),
+          "tasks.control:body", {"data": "prepare_data", "sft": "sft", "grpo": "grpo"}, enabled=_control_on,
+          plan="tasks.plan:plan_control"),
+    Stage("eval (control)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "control"},
+          enabled=_control_on, command="eval", plan="tasks.plan:plan_eval", report="tasks.pipeline:report_control_eval"),
+]
+
+
+def load(ref: str) -> Callable[..., Any]:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def row(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise KeyError(f"no stage {name!r} in tasks/stages.py; the stages are {[s.name for s in STAGES]}")
+
+
+def kinds() -> list[str]:
+    """Every folder kind, in the table's order: `--recompute`'s choices."""
+    return list(dict.fromkeys(s.kind for s in STAGES))
+
+
+def of_kind(kind: str) -> Stage:
+    """The first row of a kind (rows of one kind share its key rule and bodies)."""
+    for s in STAGES:
+        if s.kind == kind:
+            return s
+    raise KeyError(f"no stage of kind {kind!r} in tasks/stages.py; the kinds are {kinds()}")
+
+
+def commands() -> dict[str, Stage]:
+    """CLI command -> the row its flow runs the pipeline up to."""
+    return {s.command: s for s in STAGES if s.command}
+
+
+def until_for(command: str) -> str | None:
+    """The row a command runs the pipeline up to: None (all of it) for `speedrun` and the last row's."""
+    row_ = commands().get(command)
+    if command != "speedrun" and row_ is None:
+        raise KeyError(f"no command {command!r}; the commands are {['speedrun', *commands()]}")
+    return None if row_ is None or row_ is STAGES[-1] else row_.name
+
+
+def until(name: str | None) -> list[Stage]:
+    """The rows up to and including `name` (every row when None), in order."""
+    if name is None:
+        return list(STAGES)
+    last = STAGES.index(row(name))
+    return STAGES[:last + 1]
+
+
+def downstream(recompute: list[str] | tuple[str, ...] | frozenset[str]) -> frozenset[str]:
+    """The kinds to recompute: those named, and the kind of every row that reads (through any
+    number of rows) from a row of a named kind."""
+    unknown = [k for k in recompute if k not in kinds()]
+    if unknown:
+        raise KeyError(f"recompute: no stage {unknown}; the stages are {kinds()}")
+    tainted = set()  # row names
+    out = set(recompute)
+    for s in STAGES:
+        if s.kind in out or any(src in tainted for src in s.inputs.values()):
+            tainted.add(s.name)
+            out.add(s.kind)
+    return frozenset(out)
