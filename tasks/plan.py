@@ -105,7 +105,7 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
         lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
         return lines
     if r.sglang.urls:
-        lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (round-robin)")
+        lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (each group on one server, round-robin)")
         return lines
     model_url = storage.join(cfg.artifact_root, "sft", inputs["sft"]["key"], "model")
     model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)

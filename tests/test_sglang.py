@@ -43,6 +43,17 @@ def test_recorded_reply_parses():
     assert g.finish_reason == "length" and g.text == "nnn" and g.prompt_ids == [1, 4, 38, 83, 83]
 
 
+def test_a_groups_samples_go_to_one_server_and_groups_round_robin():
+    from trainer.sglang import route
+
+    a, b, c = [1, 2], [3, 4, 5], [6]
+    prompts = [a, a, a, b, b, b, c, c, c, a]  # the last: another copy of a (a carried-over group's prompt)
+    assert route(prompts, 2) == [[0, 1, 2, 6, 7, 8, 9], [3, 4, 5]]
+    assert route(prompts, 1) == [list(range(10))]
+    assert route(prompts, 5) == [[0, 1, 2, 9], [3, 4, 5], [6, 7, 8], [], []]
+    assert route([], 2) == [[], []]
+
+
 def test_missing_logprob_is_an_error_not_zero():
     reply = {**RECORDED, "meta_info": {**RECORDED["meta_info"],
                                        "output_token_logprobs": [[-1.0, 3, None], [None, 4, None]]}}

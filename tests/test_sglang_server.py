@@ -220,6 +220,55 @@ def test_prompts_go_round_robin_over_both_servers(servers, tiny_tokenizer):
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
+def test_a_groups_samples_are_served_by_one_server(servers, tiny_tokenizer):
+    """Every sample of a group goes to the same server (one prefill, the rest from its prefix
+    cache); the groups spread over both servers."""
+    from trainer.rollout import SamplingParams
+
+    prompts = prompts_for(tiny_tokenizer, 5)
+    gens = servers.generate([p for p in prompts for _ in range(3)], SamplingParams(6, 1.0, seed=7))
+    by_group = [{g.served_by for g in gens[3 * k : 3 * k + 3]} for k in range(5)]
+    assert all(len(urls) == 1 for urls in by_group), by_group
+    assert set().union(*by_group) == {s.url for s in servers.servers}
+    assert all(g.prompt_ids == prompts[k // 3] for k, g in enumerate(gens))
+
+
+def test_a_rounds_chunks_are_in_flight_at_once(servers, tiny_tokenizer):
+    """The rollout manager sends every chunk of a round to SGLang together (the servers batch them),
+    not one after another; the groups come back in chunk order, each with its own chunk's seed."""
+    import threading
+
+    from trainer.config import RewardSpec, RolloutConfig, SyntheticData
+    from trainer.data import synthetic
+    from trainer.rewards import RewardMix
+    from trainer.rollout import RolloutManager
+
+    data = synthetic(SyntheticData(n_train=64, n_test=8), seed=0)
+    cfg = RolloutConfig(prompts_per_round=6, n_samples_per_prompt=2, over_sample=1.0, batch_size=4,
+                        max_response_tokens=8, dynamic_filter="none")
+    calls: list[tuple[str, float, float]] = []
+    generate = servers.generate
+
+    def timed(prompts, params):
+        t0 = time.monotonic()
+        try:
+            return generate(prompts, params)
+        finally:
+            calls.append((threading.current_thread().name, t0, time.monotonic()))
+
+    servers.generate = timed
+    try:
+        mgr = RolloutManager(cfg, data.train, tiny_tokenizer, servers, RewardMix.from_specs([RewardSpec(name="format")]),
+                             0)
+        batch = mgr.generate(1)
+    finally:
+        servers.generate = generate
+    assert len(calls) == 3, calls  # 6 groups x 2 samples in chunks of 4 sequences
+    assert max(start for _, start, _ in calls) < min(end for *_, end in calls), calls  # all in flight together
+    assert batch.chunks == [0, 0, 1, 1, 2, 2] and len(batch.groups) == 6
+    assert all(len(g.samples) == 2 for g in batch.groups)
+
+
 def digit_share(response: str, example: dict) -> float:
     """A reward that varies between samples of a random model (the math reward is 0 for all of
     them, so advantages, and the update, would be zero)."""

@@ -69,6 +69,7 @@ class Generation:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (EOS) or "length"
+    served_by: str | None = None  # the server that generated it (None: in this process)
 
 
 @torch.no_grad()

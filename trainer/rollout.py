@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ class SamplingParams:
 
 
 class RolloutEngine(Protocol):
+    concurrent: bool  # whether generate() may be called from several threads at once
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
     def update_weights(self, model_dir: str | None) -> None: ...
     def close(self) -> None: ...
@@ -46,6 +49,8 @@ class RolloutEngine(Protocol):
 
 class HFEngine:
     """In-process generation with the policy's own module (world size 1)."""
+
+    concurrent = False  # one call at a time: it computes in this process
 
     def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512) -> None:
         self.module, self.tok, self.batch_size = module, tok, batch_size
@@ -187,17 +192,28 @@ class RolloutManager:
                     indices.append(i)
         # Groups are generated in chunks of up to rollout.batch_size sequences, each with its own seed,
         # and the ranks share the chunks out (chunk c on rank c % world): the samples do not depend on
-        # how many ranks there are. `score` gathers every rank's groups back in chunk order.
+        # how many ranks there are. `score` gathers every rank's groups back in chunk order. An engine
+        # that serves several calls at once (SGLang) gets all of this rank's chunks together: the
+        # round is in flight at once, not one chunk's longest sample after another.
         n = cfg.n_samples_per_prompt
         per_chunk = groups_per_chunk(cfg)
         chunks = [indices[i : i + per_chunk] for i in range(0, len(indices), per_chunk)]
-        groups, chunk_of, n_tokens = [], [], 0
-        for c in range(ds.rank(), len(chunks), ds.world_size()):
+        mine = list(range(ds.rank(), len(chunks), ds.world_size()))
+
+        def generate_chunk(c: int) -> list[Generation]:
             prompts = [self._prompt(i) for i in chunks[c] for _ in range(n)]
             params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p,
                                     seed=self.seed * 100_003 + round_ + CHUNK_SEED_STRIDE * c,
                                     min_new_tokens=cfg.min_response_tokens)
-            gens = self.engine.generate(prompts, params)
+            return self.engine.generate(prompts, params)
+
+        if getattr(self.engine, "concurrent", False) and len(mine) > 1:
+            with ThreadPoolExecutor(len(mine), thread_name_prefix="rollout-chunk") as pool:
+                generated = list(pool.map(generate_chunk, mine))
+        else:
+            generated = [generate_chunk(c) for c in mine]
+        groups, chunk_of, n_tokens = [], [], 0
+        for c, gens in zip(mine, generated):
             n_tokens += sum(len(g.token_ids) for g in gens)
             for g_i, ex_i in enumerate(chunks[c]):
                 chunk = gens[g_i * n : (g_i + 1) * n]

@@ -213,6 +213,10 @@ def _group_alive(pgid: int) -> bool:
 # ---------------------------------------------------------------- the engine
 
 class SGLangEngine:
+    # generate() may be called from several threads at once: a round's chunks are all sent together,
+    # and the servers batch them (trainer/rollout.py)
+    concurrent = True
+
     def __init__(self, servers: list[_Server], tok, request_timeout_s: float = 600.0) -> None:
         if not servers:
             raise SGLangError("rollout.sglang: no servers; set rollout.sglang.urls or launch: true")
@@ -291,7 +295,7 @@ class SGLangEngine:
     def generate(self, prompts: list[list[int]], params) -> list[Generation]:
         if not prompts:
             return []
-        shards: list[list[int]] = [list(range(i, len(prompts), len(self.servers))) for i in range(len(self.servers))]
+        shards = route(prompts, len(self.servers))
 
         def sampling(i: int) -> dict:
             # one seed per sample: with a shared seed the n samples of a group would be identical
@@ -353,6 +357,18 @@ class SGLangEngine:
             s.stop()
 
 
+def route(prompts: list[list[int]], n_servers: int) -> list[list[int]]:
+    """Each server's share of the prompts, as indices in prompt order: every copy of a prompt (a
+    group's samples) goes to one server, which prefills it once and serves the rest from its prefix
+    cache; distinct prompts go round-robin, in order of first appearance."""
+    server_of: dict[tuple[int, ...], int] = {}
+    shards: list[list[int]] = [[] for _ in range(n_servers)]
+    for i, p in enumerate(prompts):
+        k = server_of.setdefault(tuple(p), len(server_of) % n_servers)
+        shards[k].append(i)
+    return shards
+
+
 def parse_generation(reply: dict, prompt_ids: list[int], tok, url: str = "SGLang") -> Generation:
     """One /generate result -> Generation. Raises SGLangError on a malformed or aborted result."""
     meta = reply.get("meta_info") if isinstance(reply, dict) else None
@@ -374,4 +390,5 @@ def parse_generation(reply: dict, prompt_ids: list[int], tok, url: str = "SGLang
     text = reply.get("text")
     if text is None:
         text = tok.decode(ids, skip_special_tokens=True)
-    return Generation(prompt_ids=prompt_ids, token_ids=ids, logprobs=logprobs, text=text, finish_reason=kind)
+    return Generation(prompt_ids=prompt_ids, token_ids=ids, logprobs=logprobs, text=text, finish_reason=kind,
+                      served_by=url)
