@@ -27,7 +27,7 @@ from tasks import lease
 from tasks.keys import code_version, extent, resolve, rule_for
 from trainer import storage
 from trainer.config import RunConfig
-from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
+from trainer.checkpoint import COMMITTED, committed_tags, guarded as checkpoint_guard
 from trainer.procwatch import process_gone
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -158,10 +158,12 @@ def prefect_logger():
         return logging.getLogger("posttrain")
 
 
+HOLDER_FILE = "holder.json"  # in an s3:// stage's scratch folder: the pid, host and lease token of its run
+
+
 def scratch_root(folder: str) -> Path:
     """This machine's scratch area of an s3:// stage folder: one folder per holder under it."""
-    base = Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "work"
-    return base / hashlib.sha256(folder.encode()).hexdigest()[:16]
+    return storage.posttrain_cache() / "work" / hashlib.sha256(folder.encode()).hexdigest()[:16]
 
 
 def work_dir_for(folder: str, holder: str | None = None, create: bool = True, fresh: bool = False) -> Path:
@@ -192,8 +194,6 @@ def adopt_checkpoint(folder: str, work: Path) -> tuple[str, dict] | None:
 
     Links, not moves: a paused earlier holder may still be alive; it stops at its next save (its
     lease is lost) and never rewrites a committed checkpoint, only prunes it, which a link survives."""
-    from trainer.checkpoint import COMMITTED
-
     mine = work / "checkpoints"
     if committed_tags(mine):
         return None
@@ -220,9 +220,6 @@ def adopt_checkpoint(folder: str, work: Path) -> tuple[str, dict] | None:
         if other != work and who and who.get("host") == socket.gethostname() and process_gone(who.get("pid", 0)):
             shutil.rmtree(other, ignore_errors=True)
     return adopted
-
-
-HOLDER_FILE = "holder.json"
 
 
 def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> None:

@@ -149,7 +149,7 @@ class _S3Lease:
                 said, last = True, time.monotonic()
             time.sleep(max(POLL_S, min(2.0, (time.monotonic() - t0) / 10)))
 
-    def confirm(self) -> None:
+    def check(self) -> None:
         """Renew the lease if it is still this holder's (even if it expired meanwhile, as long as no one
         took it over); raise LeaseLost if not. A conditional write on the ETag just read: a takeover
         between the read and the write makes it fail, and the next read sees the taker's token."""
@@ -168,14 +168,11 @@ class _S3Lease:
     def renew_forever(self) -> None:
         while not self._stop.wait(ttl_s() / 3):
             try:
-                self.confirm()
+                self.check()
             except LeaseLost:
                 return
             except Exception as exc:  # noqa: BLE001 - S3 unreachable past the retries: try again next time
                 self.say(f"could not renew the lease ({type(exc).__name__}: {exc}); trying again")
-
-    def check(self) -> None:
-        self.confirm()
 
     def release(self) -> None:
         self._stop.set()

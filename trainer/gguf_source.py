@@ -115,7 +115,7 @@ def _registry_file(ref: str) -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain")) / "gguf"
+    return storage.posttrain_cache() / "gguf"
 
 
 def _local_file(ref: str, root: Path) -> Path:

@@ -223,6 +223,12 @@ def replace_dir(new: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def posttrain_cache() -> Path:
+    """This machine's cache folder ($POSTTRAIN_CACHE, default ~/.cache/posttrain): downloads, GGUF
+    conversions, the scratch folders of stages on s3:// roots."""
+    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+
+
 def local_dir(url: str, cache_root: str | Path | None = None, version: str | None = None) -> Path:
     """A local folder holding `url`'s files: the folder itself, or a download of a remote one.
 
@@ -231,7 +237,7 @@ def local_dir(url: str, cache_root: str | Path | None = None, version: str | Non
     if not is_remote(url):
         return Path(fs_for(url)[1])
     fs, path = fs_for(url)
-    root = Path(cache_root or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+    root = Path(cache_root) if cache_root else posttrain_cache()
     root.mkdir(parents=True, exist_ok=True)
     dest = root / hashlib.sha256(f"{url}@{version or ''}".encode()).hexdigest()[:16]
     return fill_once(dest, lambda tmp: _retrying("download", url, lambda: fs.get(path.rstrip("/") + "/", str(tmp),
