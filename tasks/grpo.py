@@ -1,5 +1,5 @@
-"""The GRPO stage as rounds of Prefect tasks: rollout -> reward -> update (+ weight sync) -> eval /
-checkpoint.
+"""The GRPO stage as rounds of Prefect tasks: rollout -> reward -> update (+ weight publish) -> eval /
+checkpoint, the round of `trainer.loop`.
 
     posttrain grpo --preset tiny
 
@@ -29,12 +29,11 @@ from tasks.sft import model_dir
 # cache hits never needs them (seconds of start-up off every fully cached command)
 if TYPE_CHECKING:
     from trainer.grpo import GRPOTrainer
-    from trainer.rollout import RolloutBatch
 
 
 def launch_sglang(cfg, sft: dict):
     """SGLang servers on the SFT policy (or connections to rollout.sglang.urls), healthy."""
-    from trainer.sglang import SGLangEngine
+    from trainer.rl.sglang import SGLangEngine
     from trainer.tokenizer import load_tokenizer
 
     path = model_dir(sft)
@@ -71,38 +70,23 @@ def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
     return trainer
 
 
-@task(name="rollout", task_run_name="rollout-r{round_}", cache_policy=NO_CACHE)
-def rollout(trainer: GRPOTrainer, round_: int) -> RolloutBatch:
-    return trainer.rollout()
+def _step_task(name: str):
+    @task(name=name, task_run_name=name + "-r{round_}", cache_policy=NO_CACHE)
+    def step(fn, round_: int, args: tuple):
+        return fn(*args)
+
+    return step
 
 
-@task(name="reward", task_run_name="reward-r{round_}", cache_policy=NO_CACHE)
-def reward(trainer: GRPOTrainer, batch: RolloutBatch, round_: int) -> RolloutBatch:
-    return trainer.score(batch)
+# a round's steps as the Prefect UI names them (trainer.loop runs them)
+STEP_TASKS = {"rollout": _step_task("rollout"), "reward": _step_task("reward"), "update": _step_task("update"),
+              "eval": _step_task("grpo-eval"), "checkpoint": _step_task("checkpoint")}
 
 
-@task(name="update", task_run_name="update-r{round_}", cache_policy=NO_CACHE)
-def update(trainer: GRPOTrainer, batch: RolloutBatch, round_: int) -> dict[str, float]:
-    stats = trainer.update(batch)
-    stats["time/sync_seconds"] = trainer.sync()
-    log = prefect_logger()
-    log.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", round_,
-             stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
-             stats.get("rollout/groups_used", 0), stats.get("rollout/groups_filtered", 0),
-             stats.get("time/round_seconds", math.nan))
-    return stats
-
-
-@task(name="grpo-eval", task_run_name="grpo-eval-r{round_}", cache_policy=NO_CACHE)
-def periodic_eval(trainer: GRPOTrainer, round_: int) -> dict[str, float]:
-    metrics = trainer.evaluate()
-    prefect_logger().info("round %d eval: %s", round_, {k: round(v, 4) for k, v in metrics.items()})
-    return metrics
-
-
-@task(name="checkpoint", task_run_name="checkpoint-r{round_}", cache_policy=NO_CACHE)
-def save_checkpoint(trainer: GRPOTrainer, round_: int) -> None:
-    trainer.save()
+def as_prefect_tasks(step: str, round_: int, fn, *args):
+    """trainer.loop's `call`: the step as a Prefect task run. The trainer, batches and bound methods are
+    live objects: quote() keeps Prefect from walking thousands of token ids looking for futures."""
+    return STEP_TASKS[step](quote(fn), round_, quote(args))
 
 
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
@@ -132,34 +116,13 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
 
 
 def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, as_tasks: bool = True) -> dict[str, Any]:
-    """Every round of one GRPO stage, then the export. `as_tasks=False` calls the steps directly
-    (on a launched rank, where there is no Prefect flow run)."""
-    from trainer import faults
+    """Every round of one GRPO stage (trainer.loop), then the export. `as_tasks=False` calls the
+    steps directly (on a launched rank, where there is no Prefect flow run)."""
+    from trainer import loop
 
-    fault = fault or {}
     trainer = make_trainer(cfg, data, sft, work, logger)
-
-    def call(step, *args):
-        if not as_tasks:
-            return step.fn(*args)
-        # the trainer and batches are live objects: quote() keeps Prefect from walking into them
-        return step(*(a if isinstance(a, int) else quote(a) for a in args))
-
     try:
-        while not trainer.done():
-            r = trainer.round + 1
-            batch = call(rollout, trainer, r)
-            batch = call(reward, trainer, batch, r)
-            faults.check("grpo_mid_round", r, fault)
-            call(update, trainer, batch, r)
-            faults.check("grpo_after_update", r, fault)
-            if trainer.round % cfg.grpo.sample_table_every == 0:
-                logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
-            if trainer.should_eval():
-                call(periodic_eval, trainer, r)
-            if trainer.should_checkpoint():
-                call(save_checkpoint, trainer, r)
-            faults.check("grpo_round", r, fault)
+        loop.run_rounds(trainer, loop.direct if not as_tasks else as_prefect_tasks, fault, prefect_logger())
         return finish(trainer, work, logger)
     finally:
         # servers this stage launched stop however it ends (a SIGKILL is the wrapper's job)

@@ -95,7 +95,7 @@ def model_content(cfg: RunConfig) -> dict[str, Any]:
 def reward_content(cfg: RunConfig) -> dict[str, Any]:
     """Custom rewards by their module's source, reward models by their folder (built-in rewards are
     part of the code version)."""
-    from trainer.rewards import BUILTIN, split_dotted
+    from trainer.rl.rewards import BUILTIN, split_dotted
 
     out = {}
     for spec in cfg.grpo.rewards:

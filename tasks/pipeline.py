@@ -108,7 +108,7 @@ def warm_up() -> None:
     import matplotlib.pyplot  # noqa: F401
     import PIL.Image  # noqa: F401
 
-    import trainer.rewards  # noqa: F401
+    import trainer.rl.rewards  # noqa: F401
 
     mlflow_client(tracking_uri())
 

@@ -222,8 +222,7 @@ def run_posttrain(shape: Shape, work: Path) -> dict:
     while not trainer.done():
         t0 = time.perf_counter()
         batch = trainer.score(trainer.rollout())
-        stats = trainer.update(batch)
-        trainer.sync()
+        stats = trainer.publish(trainer.update(batch))
         out["step"].append(time.perf_counter() - t0)
         out["generate"].append(stats["time/generate_seconds"])
         out["reward"].append(stats["time/reward_seconds"])

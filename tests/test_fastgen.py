@@ -25,8 +25,9 @@ from tests.bench_ref import problems, tokenizer
 from trainer.chat import encode_prompt
 from trainer.fastgen import FastDecoder, sample, unsupported
 from trainer.generate import generate
-from trainer.grpo import pack, token_logprobs
-from trainer.rollout import Sample
+from trainer.rl.logprobs import token_logprobs
+from trainer.rl.trajectory import pack
+from trainer.rl.trajectory import Sample
 from trainer import kernels
 
 COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,

@@ -1,6 +1,6 @@
 """GRPO's fused log-prob passes (`trainer.fasttrain`) against the model's own forward.
 
-Same log-probs and the same gradient on every parameter as `trainer.grpo.hf_prefix_logits` (HF's
+Same log-probs and the same gradient on every parameter as `trainer.rl.logprobs.hf_prefix_logits` (HF's
 forward with a KV cache), on the shapes GRPO feeds them: prompts of uneven lengths shared by
 uneven numbers of samples, responses of uneven lengths (right-padded), one-token responses;
 for Llama with grouped-query attention and Qwen2 (q/k/v biases, tied embeddings). Each compiled op
@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from trainer import fasttrain, kernels
 from trainer.fastgen import left_pad
-from trainer.grpo import hf_prefix_logits
+from trainer.rl.logprobs import hf_prefix_logits
 
 COMMON = dict(vocab_size=90, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)

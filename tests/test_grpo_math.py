@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import aggregate, clipped_objective, group_advantages, kl_estimate
+from trainer.rl.losses import aggregate, clipped_objective, group_advantages, kl_estimate
 
 
 def test_advantages_with_and_without_std():
@@ -97,8 +97,9 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
 
     from tests.bench_ref import tokenizer
     from tests.test_fastgen import _model, _prompts
-    from trainer.grpo import pack, shared_prefix_logprobs, token_logprobs
-    from trainer.rollout import Sample
+    from trainer.rl.logprobs import shared_prefix_logprobs, token_logprobs
+    from trainer.rl.trajectory import pack
+    from trainer.rl.trajectory import Sample
 
     tok = tokenizer(tmp_path / "tok")
     model = _model(kind, tok).train()

@@ -7,6 +7,7 @@ import pytest
 from trainer.config import load_config
 from trainer.data import synthetic
 from trainer.grpo import GRPOTrainer
+from trainer.loop import run_round, run_rounds
 from trainer.model import build_model
 
 OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
@@ -19,11 +20,7 @@ OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_s
 def _run(cfg, tok, data, work, crash_after=None):
     trainer = GRPOTrainer(cfg, build_model(cfg.model, tok, 0), tok, data.train, data.test, work)
     while not trainer.done():
-        batch = trainer.score(trainer.rollout())
-        trainer.update(batch)
-        trainer.sync()
-        if trainer.should_checkpoint():
-            trainer.save()
+        run_round(trainer)  # rollout, reward, update, publish, checkpoint when due
         if crash_after == trainer.round:
             return None
     return trainer
@@ -41,9 +38,7 @@ def test_grpo_resume_is_exact(tiny_tokenizer, tmp_path):
     resumed = GRPOTrainer(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data.train, data.test,
                           tmp_path / "crash")
     assert resumed.resumed_from == 2
-    while not resumed.done():
-        resumed.update(resumed.score(resumed.rollout()))
-        resumed.sync()
+    run_rounds(resumed)
     assert resumed.state_hash() == full.state_hash()
     assert [h["reward/mean"] for h in resumed.history] == pytest.approx([h["reward/mean"] for h in full.history])
 

@@ -4,7 +4,7 @@
   (DeepSpeed's own step counter), and resume stays exact across rounds with different counts;
 - a skipped round records its own stats, once;
 - the loss, its gradient norm and the direction of the first AdamW step match a per-sequence
-  computation written here independently of pack/_slice/micro-batching: TIS, every loss
+  computation written here independently of pack/rows/micro-batching: TIS, every loss
   aggregation, the entropy term and each KL estimator;
 - a problem small enough to learn in seconds: the reward rises.
 """
@@ -19,8 +19,9 @@ import torch
 from trainer.config import load_config
 from trainer.data import synthetic
 from trainer.grpo import GRPOTrainer
+from trainer.loop import run_round
 from trainer.model import build_model
-from trainer.rollout import Group, RolloutBatch, Sample
+from trainer.rl.trajectory import Group, RolloutBatch, Sample
 
 MODEL = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.num_heads=2"]
 
@@ -35,18 +36,29 @@ def make_trainer(cfg, tok, work, seed: int = 0) -> GRPOTrainer:
     return GRPOTrainer(cfg, build_model(cfg.model, tok, seed), tok, data.train, data.test, work)
 
 
-def make_batch(round_: int, n_groups: int, group_size: int, vocab: int, seed: int) -> RolloutBatch:
-    """Groups of random prompts/responses of uneven lengths with rewards that differ in each group."""
+def make_batch(round_: int, n_groups: int, group_size: int, vocab: int, seed: int, turns: int = 1) -> RolloutBatch:
+    """Groups of random prompts/responses of uneven lengths with rewards that differ in each group.
+    With turns > 1 each response is that many policy segments with an observation (the
+    environment's tokens: loss mask 0, no sampler log-prob) between each two."""
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
         samples = []
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
         for _ in range(group_size):
-            r = rng.randint(1, 7)
-            samples.append(Sample(example_index=g, prompt_ids=prompt, response_ids=[rng.randrange(3, vocab) for _ in range(r)],
-                                  engine_logprobs=[rng.uniform(-7.0, -4.0) for _ in range(r)], text="",
-                                  finish_reason="length", reward=rng.random()))
+            ids, mask, logprobs = [], [], []
+            for t in range(turns):
+                if t:
+                    k = rng.randint(1, 5)
+                    ids += [rng.randrange(3, vocab) for _ in range(k)]
+                    mask += [0] * k
+                    logprobs += [0.0] * k
+                r = rng.randint(1, 7)
+                ids += [rng.randrange(3, vocab) for _ in range(r)]
+                mask += [1] * r
+                logprobs += [rng.uniform(-7.0, -4.0) for _ in range(r)]
+            samples.append(Sample(example_index=g, prompt_ids=prompt, response_ids=ids, engine_logprobs=logprobs,
+                                  text="", finish_reason="length", reward=rng.random(), loss_mask=mask))
         groups.append(Group(g, samples, round_))
     return RolloutBatch(round_, groups, {})
 
@@ -84,8 +96,7 @@ def test_optimizer_steps_land_at_mini_batch_ends_whatever_the_group_count(tiny_t
     trainer.ds.step = spy
     for r, groups in enumerate(GROUP_COUNTS, start=1):
         stepped.clear()
-        stats = trainer.update(make_batch(r, groups, 4, len(tiny_tokenizer), seed=r))
-        trainer.sync()
+        stats = trainer.publish(trainer.update(make_batch(r, groups, 4, len(tiny_tokenizer), seed=r)))
         assert stepped == step_pattern(groups * 4, 2, 2), f"round {r} ({groups} groups)"
         assert stats["update/optimizer_steps"] == 2
     assert trainer.ds.global_steps == 2 * len(GROUP_COUNTS)
@@ -96,18 +107,15 @@ def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenize
     vocab = len(tiny_tokenizer)
     full = make_trainer(cfg, tiny_tokenizer, tmp_path / "full")
     for r, groups in enumerate(GROUP_COUNTS, start=1):
-        full.update(make_batch(r, groups, 4, vocab, seed=r))
-        full.sync()
+        full.publish(full.update(make_batch(r, groups, 4, vocab, seed=r)))
     first = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
     for r, groups in enumerate(GROUP_COUNTS[:3], start=1):
-        first.update(make_batch(r, groups, 4, vocab, seed=r))
-        first.sync()
+        first.publish(first.update(make_batch(r, groups, 4, vocab, seed=r)))
     first.save()  # after round 3: 3 + 2 + 3 micro-batches per mini-batch so far
     resumed = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
     assert resumed.resumed_from == 3
     for r, groups in enumerate(GROUP_COUNTS[3:], start=4):
-        resumed.update(make_batch(r, groups, 4, vocab, seed=r))
-        resumed.sync()
+        resumed.publish(resumed.update(make_batch(r, groups, 4, vocab, seed=r)))
     assert resumed.state_hash() == full.state_hash()
 
 
@@ -115,11 +123,9 @@ def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenize
 
 def test_a_skipped_round_logs_its_own_stats_once(tiny_tokenizer, tmp_path):
     trainer = make_trainer(make_cfg("grpo.micro_batch_size=4"), tiny_tokenizer, tmp_path)
-    trainer.update(make_batch(1, 2, 4, len(tiny_tokenizer), seed=1))
-    trainer.sync()
+    trainer.publish(trainer.update(make_batch(1, 2, 4, len(tiny_tokenizer), seed=1)))
     empty = RolloutBatch(2, [], {"rollout/groups_used": 0.0})
-    stats = trainer.update(empty)
-    trainer.sync()
+    stats = trainer.publish(trainer.update(empty))
     assert [h["round"] for h in trainer.history] == [1.0, 2.0]
     second = trainer.history[1]
     assert second["update/skipped"] == 1.0 and second["update/optimizer_steps"] == 0
@@ -162,8 +168,10 @@ def expected_loss(model, reference, batch: RolloutBatch, g, temperature: float) 
             if g.entropy_coef:
                 ent = -(logp_all.exp() * logp_all).sum(-1)
                 tok = tok - g.entropy_coef * ent
-            per_seq.append(tok)
-            per_seq_len.append(r)
+            # only the policy's own tokens count (an observation's position is dropped, not zeroed)
+            keep = torch.tensor(s.loss_mask, device=dev).bool()
+            per_seq.append(tok[keep])
+            per_seq_len.append(int(keep.sum()))
     if g.loss_agg == "token-mean":
         return torch.cat(per_seq).sum() / sum(per_seq_len)
     if g.loss_agg == "seq-mean-token-sum":
@@ -181,10 +189,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("turns", [1, 3], ids=["single-turn", "3-turn"])
 @pytest.mark.parametrize("extra", CASES, ids=lambda e: ",".join(o.split(".", 1)[1] for o in e))
-def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, extra):
+def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, extra, turns):
     # one mini-batch in 3 uneven micro-batches; no weight decay or clipping, so AdamW's first step
-    # is -lr * sign(gradient) wherever the gradient is not tiny
+    # is -lr * g / (|g| + eps) on every weight whose gradient is not tiny. Three turns: the observations
+    # between them are context, and the loss counts the policy's tokens only.
     lr = 1e-3
     cfg = make_cfg("grpo.mini_batches=1", "grpo.micro_batch_size=3", f"grpo.lr={lr}", "grpo.grad_clip=1e6",
                    "grpo.weight_decay=0", "grpo.warmup_rounds=0", *extra)
@@ -194,7 +204,7 @@ def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, ext
         with torch.no_grad():
             for p in trainer.reference.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-    batch = make_batch(1, 2, 4, len(tiny_tokenizer), seed=7)  # 8 sequences: 3 + 3 + 2
+    batch = make_batch(1, 2, 4, len(tiny_tokenizer), seed=7, turns=turns)  # 8 sequences: 3 + 3 + 2
     model = copy.deepcopy(trainer.ds.module).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss = expected_loss(model, trainer.reference, batch, cfg.grpo, cfg.rollout.temperature)
@@ -211,7 +221,8 @@ def test_update_matches_a_per_sequence_computation(tiny_tokenizer, tmp_path, ext
     for n, g_ in grads.items():
         big = g_.abs() > 1e-3 * g_.abs().max()
         delta = (after[n].detach() - before[n])[big]
-        assert torch.allclose(delta, -lr * torch.sign(g_[big]), rtol=0.02, atol=lr * 0.02), n
+        # AdamW's first step: -lr * g / (|g| + eps), eps = 1e-8 (torch's default)
+        assert torch.allclose(delta, -lr * g_[big] / (g_[big].abs() + 1e-8), rtol=0.02, atol=lr * 0.02), n
         checked += int(big.sum())
     assert checked > 1000
 
@@ -261,9 +272,7 @@ def test_reward_rises_on_a_problem_learnable_in_seconds(tiny_tokenizer, tmp_path
     trainer = make_trainer(cfg, tiny_tokenizer, tmp_path)
     rewards = []
     while not trainer.done():
-        trainer.update(trainer.score(trainer.rollout()))
-        trainer.sync()
-        rewards.append(trainer.history[-1]["reward/mean"])
+        rewards.append(run_round(trainer)["reward/mean"])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.2, rewards
 

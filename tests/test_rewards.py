@@ -5,7 +5,7 @@ import math
 import pytest
 
 from trainer.config import RewardSpec
-from trainer.rewards import RewardError, RewardMix, format_reward, math_reward, resolve
+from trainer.rl.rewards import RewardError, RewardMix, format_reward, math_reward, resolve
 
 EX = {"id": "e1", "answer": "12", "messages": [{"role": "user", "content": "3 times 4?"},
                                                 {"role": "assistant", "content": "3*4=12\n#### 12"}]}

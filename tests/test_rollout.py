@@ -6,10 +6,13 @@ import torch
 from trainer.config import RewardSpec, RolloutConfig, load_config
 from trainer.data import synthetic
 from trainer.generate import Generation
-from trainer.grpo import pack, token_logprobs
+from trainer.rl.logprobs import token_logprobs
+from trainer.rl.trajectory import pack
 from trainer.model import build_model
-from trainer.rewards import RewardMix
-from trainer.rollout import DataBuffer, Group, HFEngine, RolloutBatch, RolloutManager, Sample, SamplingParams, keep_group
+from trainer.rl.rewards import RewardMix
+from trainer.rl.engines import HFEngine, SamplingParams
+from trainer.rl.orchestrator import DataBuffer, RolloutManager, keep_group
+from trainer.rl.trajectory import Group, RolloutBatch, Sample
 
 
 def test_buffer_epochs_and_state():
@@ -57,25 +60,28 @@ def test_over_sampling_filter_and_carry_over(tiny_tokenizer):
     # Sample 0 of every group is right, sample 1 wrong: every group has signal.
     engine = ScriptedEngine(lambda i: "#### 0")
     mgr = RolloutManager(cfg, data.train, tiny_tokenizer, engine, RewardMix.from_specs([RewardSpec(name="format")]), 0)
-    batch = mgr.score(mgr.generate(1))
+    batch = mgr.score(mgr.generate(1, version=0))
     assert batch.stats["rollout/generated_groups"] == 6
     # format reward is 1 for every sample: every group agrees, all filtered, nothing carried.
     assert batch.stats["rollout/groups_filtered"] == 6 and not batch.groups and not mgr.carry
 
     engine.texts_for = lambda i: "#### 0" if i % 2 == 0 else "no"
-    batch = mgr.score(mgr.generate(2))
+    batch = mgr.score(mgr.generate(2, version=1))
     # 6 groups with signal: 2 used, 2 carried (at most one round's worth), 2 dropped.
     assert len(batch.groups) == 2 and len(mgr.carry) == 2
     assert batch.stats["rollout/groups_carried"] == 2 and batch.stats["rollout/groups_dropped_stale"] == 2
+    assert batch.stats["rollout/staleness_mean"] == 0.0 and {s.version for s in batch.samples} == {1}
     # Next round generates only what the carried groups do not cover, and uses carried first.
     carried = list(mgr.carry)
-    nxt = mgr.generate(3)
+    nxt = mgr.generate(3, version=2)
     assert len(nxt.groups) == 6 - 2
     used = mgr.score(nxt)
     assert used.groups[:2] == carried
+    # sampled by version 1, trained in round 3 by version 2: one version stale
+    assert used.stats["rollout/staleness_mean"] == 1.0
     # Groups older than one round are not used.
     mgr.carry = [Group(0, [_sample(0, 1.0), _sample(0, 0.0)], round_generated=1)]
-    late = mgr.score(mgr.generate(5))
+    late = mgr.score(mgr.generate(5, version=4))
     assert all(g.round_generated == 5 for g in late.groups)
     assert late.stats["rollout/groups_dropped_stale"] >= 1
     state = mgr.state_dict()
@@ -91,7 +97,7 @@ def test_prompts_too_long_are_skipped_and_counted(tiny_tokenizer):
     cfg = RolloutConfig(prompts_per_round=4, n_samples_per_prompt=1, over_sample=1.0, max_prompt_tokens=limit)
     mgr = RolloutManager(cfg, data.train, tiny_tokenizer, ScriptedEngine(lambda i: "#### 1"),
                          RewardMix.from_specs([RewardSpec(name="math")]), 0)
-    batch = mgr.generate(1)
+    batch = mgr.generate(1, version=0)
     assert len(batch.groups) == 4 and all(len(g.samples[0].prompt_ids) <= limit for g in batch.groups)
     assert batch.stats["rollout/prompts_skipped_too_long"] > 0
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from trainer.config import SGLangConfig
-from trainer.rollout import SamplingParams
-from trainer.sglang import (CPU_DEFAULT_MAX_TOTAL_TOKENS, SERVER_WRAPPER, SGLangEngine, SGLangError, _Server,
+from trainer.rl.engines import SamplingParams
+from trainer.rl.sglang import (CPU_DEFAULT_MAX_TOTAL_TOKENS, SERVER_WRAPPER, SGLangEngine, SGLangError, _Server,
                             env_dir, launch_command, parse_generation, server_env)
 
 RECORDED = {
@@ -44,7 +44,7 @@ def test_recorded_reply_parses():
 
 
 def test_a_groups_samples_go_to_one_server_and_groups_round_robin():
-    from trainer.sglang import route
+    from trainer.rl.sglang import route
 
     a, b, c = [1, 2], [3, 4, 5], [6]
     prompts = [a, a, a, b, b, b, c, c, c, a]  # the last: another copy of a (a carried-over group's prompt)

@@ -1,4 +1,4 @@
-"""trainer/sglang.py against real SGLang servers (sglang 0.5.23, CPU mode, its own environment
+"""trainer/rl/sglang.py against real SGLang servers (sglang 0.5.23, CPU mode, its own environment
 built by `make sglang-env`; `make test` builds it first).
 
 Two servers are launched once for the module through `SGLangEngine.from_config`, exactly as the
@@ -26,7 +26,7 @@ import torch
 
 from trainer.config import SGLangConfig
 from trainer import sglang
-from trainer.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
+from trainer.rl.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def prompts_for(tok, n: int = 12) -> list[list[int]]:
 
 
 def greedy(engine, prompts, n_tokens: int = 20):
-    from trainer.rollout import SamplingParams
+    from trainer.rl.engines import SamplingParams
 
     return engine.generate(prompts, SamplingParams(max_new_tokens=n_tokens, temperature=0.0))
 
@@ -107,7 +107,7 @@ def compare(hf_gens, sg_gens) -> tuple[int, float, float]:
 
 
 def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tiny_tokenizer):
-    from trainer.rollout import HFEngine
+    from trainer.rl.engines import HFEngine
 
     _, model = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -147,7 +147,7 @@ def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, ba
     are given back afterwards."""
     import copy
 
-    from trainer.rollout import HFEngine, SamplingParams
+    from trainer.rl.engines import HFEngine, SamplingParams
 
     base_path, base = base_model
     model = copy.deepcopy(base)
@@ -174,8 +174,10 @@ def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, ba
 
 def test_sampled_logprobs_match_the_trainers(servers, base_model, tiny_tokenizer):
     """What TIS relies on: the engine's logprob of each sampled token (T=0.7) is the trainer's."""
-    from trainer.grpo import pack, token_logprobs
-    from trainer.rollout import Sample, SamplingParams
+    from trainer.rl.logprobs import token_logprobs
+    from trainer.rl.trajectory import pack
+    from trainer.rl.engines import SamplingParams
+    from trainer.rl.trajectory import Sample
 
     _, model = base_model
     prompts = prompts_for(tiny_tokenizer, 6)
@@ -193,7 +195,7 @@ def test_sampled_logprobs_match_the_trainers(servers, base_model, tiny_tokenizer
 def test_each_sample_of_a_group_gets_its_own_seed(servers, tiny_tokenizer):
     """n copies of one prompt carry seeds base, base+1, ...: with one shared seed, a server that
     honours seeds returns n identical samples and GRPO's group has no signal."""
-    from trainer.rollout import SamplingParams
+    from trainer.rl.engines import SamplingParams
 
     sent = []
     post = servers._session.post
@@ -223,7 +225,7 @@ def test_prompts_go_round_robin_over_both_servers(servers, tiny_tokenizer):
 def test_a_groups_samples_are_served_by_one_server(servers, tiny_tokenizer):
     """Every sample of a group goes to the same server (one prefill, the rest from its prefix
     cache); the groups spread over both servers."""
-    from trainer.rollout import SamplingParams
+    from trainer.rl.engines import SamplingParams
 
     prompts = prompts_for(tiny_tokenizer, 5)
     gens = servers.generate([p for p in prompts for _ in range(3)], SamplingParams(6, 1.0, seed=7))
@@ -240,8 +242,8 @@ def test_a_rounds_chunks_are_in_flight_at_once(servers, tiny_tokenizer):
 
     from trainer.config import RewardSpec, RolloutConfig, SyntheticData
     from trainer.data import synthetic
-    from trainer.rewards import RewardMix
-    from trainer.rollout import RolloutManager
+    from trainer.rl.rewards import RewardMix
+    from trainer.rl.orchestrator import RolloutManager
 
     data = synthetic(SyntheticData(n_train=64, n_test=8), seed=0)
     cfg = RolloutConfig(prompts_per_round=6, n_samples_per_prompt=2, over_sample=1.0, batch_size=4,
@@ -260,7 +262,7 @@ def test_a_rounds_chunks_are_in_flight_at_once(servers, tiny_tokenizer):
     try:
         mgr = RolloutManager(cfg, data.train, tiny_tokenizer, servers, RewardMix.from_specs([RewardSpec(name="format")]),
                              0)
-        batch = mgr.generate(1)
+        batch = mgr.generate(1, version=0)
     finally:
         servers.generate = generate
     assert len(calls) == 3, calls  # 6 groups x 2 samples in chunks of 4 sequences
@@ -293,7 +295,7 @@ def _trainer(tmp_path, tok, model, engine, **grpo):
 
 def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_model, tiny_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
-    from trainer.rollout import HFEngine
+    from trainer.rl.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -303,7 +305,7 @@ def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_mod
         batch = trainer.score(trainer.rollout())
         stats = trainer.update(batch)
         assert stats["update/optimizer_steps"] == 1
-        trainer.sync()
+        trainer.publish(stats)
         after = greedy(servers, prompts)
         assert [g.token_ids for g in after] != [g.token_ids for g in before]  # the served policy changed
         same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), after)
@@ -317,14 +319,13 @@ def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_mod
 def test_resumed_stage_pushes_the_checkpoint_weights_before_its_first_rollout(servers, base_model, tiny_tokenizer,
                                                                                tmp_path):
     from transformers import AutoModelForCausalLM
-    from trainer.rollout import HFEngine
+    from trainer.rl.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
     first = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers)
     try:
-        first.update(first.score(first.rollout()))
-        first.sync()
+        first.publish(first.update(first.score(first.rollout())))
         first.save()
         trained = greedy(HFEngine(first.ds.module, tiny_tokenizer), prompts)
         servers.update_weights(str(path))  # as after a crash: fresh servers start on the SFT weights
@@ -352,7 +353,7 @@ def test_a_server_killed_mid_round_fails_the_round_quickly(servers, tiny_tokeniz
     """Last in this module: it kills one of the shared servers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainer.rollout import SamplingParams
+    from trainer.rl.engines import SamplingParams
 
     victim = servers.servers[1]
     prompts = prompts_for(tiny_tokenizer, 64)

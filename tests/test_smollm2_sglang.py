@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.test_sglang_server import compare, cpu_server_config
-from trainer.sglang import SGLangEngine
+from trainer.rl.sglang import SGLangEngine
 
 pytestmark = pytest.mark.slow
 
@@ -49,14 +49,14 @@ def prompts(tok) -> list[list[int]]:
 
 
 def greedy(engine, ids, n: int = 64):
-    from trainer.rollout import SamplingParams
+    from trainer.rl.engines import SamplingParams
 
     return engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
 
 
 def test_greedy_answers_match_the_fast_decoder_and_stop_at_im_end(server, smollm2):
     from trainer import generate as gen
-    from trainer.rollout import HFEngine
+    from trainer.rl.engines import HFEngine
 
     _, model, tok = smollm2
     ids = prompts(tok)
@@ -81,7 +81,7 @@ def test_one_grpo_round_through_sglang_on_the_real_weights(server, smollm2, smol
     from trainer.data import synthetic
     from trainer.grpo import GRPOTrainer
     from trainer.model import load_model
-    from trainer.rollout import HFEngine
+    from trainer.rl.engines import HFEngine
 
     folder, _, tok = smollm2
     cfg = load_config("smollm2-135m", {
@@ -100,7 +100,7 @@ def test_one_grpo_round_through_sglang_on_the_real_weights(server, smollm2, smol
         assert len(batch.samples) == 8 and all(s.engine_logprobs for s in batch.samples)
         stats = trainer.update(batch)
         assert stats["update/optimizer_steps"] == 1 and stats["update/grad_norm"] > 0
-        trainer.sync()
+        trainer.publish(stats)
         after = greedy(server, ids, 24)
         assert [g.token_ids for g in after] != [g.token_ids for g in before]  # the server serves the new policy
         same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tok), ids, 24), after)

@@ -46,7 +46,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     t0 = time.perf_counter()
     if engine is not None:
-        from trainer.rollout import SamplingParams
+        from trainer.rl.engines import SamplingParams
 
         gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0))
     else:

@@ -12,7 +12,7 @@ every one a trip through memory. Here the same layer runs on the model's own par
 - attention as torch's SDPA on the same masks as the model's, query heads reading their shared KV
   head in place (`enable_gqa`) rather than from repeated copies.
 
-`prefix_logits` is the shared-prompt layout of `trainer.grpo.shared_prefix_logprobs`: distinct
+`prefix_logits` is the shared-prompt layout of `trainer.rl.logprobs.shared_prefix_logprobs`: distinct
 prompts run once, their K/V reach each sample's response pass, and gradients flow back through
 them. Results are the model's own forward up to float rounding: `tests/test_fasttrain.py` holds the
 log-probs, the loss and every parameter's gradient to the HF path's. `unsupported()` names why a

@@ -1,10 +1,11 @@
-"""GRPO on DeepSpeed: group-relative advantages, the clipped objective with clip-higher, KL to a
-frozen reference (k1/k2/k3), entropy bonus, three loss aggregations, several optimizer steps per
-round, and truncated importance sampling (TIS) against the rollout engine's logprobs.
+"""The GRPO trainer on DeepSpeed: one stage's policy, optimizer, reference and orchestrator.
 
-`GRPOTrainer` holds one stage's state and exposes each round step (rollout, score, update, sync,
-evaluate, checkpoint) so that an orchestrator can show them as separate tasks. Run alone:
-`posttrain grpo --preset tiny` (prepare_data, tokenizer and sft come from cache).
+`GRPOTrainer` exposes each round step (rollout, score, update, publish, evaluate, save) and
+`trainer.loop` drives them, the same for the Prefect tasks, the launched ranks and the tests.
+`update` shards a round's trajectories into mini- and micro-batches, runs the loss of
+`trainer.rl.losses` on each (several optimizer steps per round when asked), accumulates and
+reduces the stats across ranks; `publish` hands the new weights to the rollout engine and records
+the round. Run alone: `posttrain grpo --preset tiny` (prepare_data, tokenizer and sft come from cache).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import copy
 import logging
 import math
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,195 +21,21 @@ import torch
 import torch.nn.functional as F
 from transformers import get_constant_schedule_with_warmup
 
-from trainer import checkpoint, engine as ds, fasttrain
+from trainer import checkpoint, engine as ds
 from trainer.answers import is_correct
 from trainer.chat import encode_prompt
 from trainer.data import prompt_messages
 from trainer.config import RunConfig
 from trainer.evaluate import evaluate
-from trainer.fastgen import distinct, left_pad
-from trainer.rollout import HFEngine, RolloutBatch, RolloutEngine, RolloutManager, Sample, SamplingParams
-from trainer.rewards import RewardMix
+from trainer.rl import losses
+from trainer.rl.engines import HFEngine, RolloutEngine, SamplingParams
+from trainer.rl.logprobs import response_logprobs
+from trainer.rl.orchestrator import RolloutManager
+from trainer.rl.rewards import RewardMix
+from trainer.rl.trajectory import PackedBatch, RolloutBatch, pack, rows
 from trainer.tracking import MetricLogger, NullLogger
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- the math
-
-def group_advantages(rewards: torch.Tensor, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [G, n] -> advantages [G, n]: r - mean(group), divided by the group's std if asked."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if not std_normalize:
-        return centred
-    return centred / (rewards.std(dim=1, keepdim=True, unbiased=True).nan_to_num(0.0) + eps)
-
-
-def clipped_objective(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor,
-                      clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss (to minimise) and whether the clipped branch was taken."""
-    ratio = torch.exp(logp - logp_old)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped)
-
-
-def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
-    log_ratio = logp_ref - logp
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(log_ratio) - 1.0 - log_ratio
-    raise ValueError(f"unknown kl estimator {estimator!r}; use k1, k2 or k3")
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float | None = None) -> torch.Tensor:
-    """Reduce [B, T] per-token losses over response tokens.
-
-    token-mean: sum / number of tokens; seq-mean-token-sum: per-sequence sums, averaged over
-    sequences; seq-mean-token-mean: per-sequence means, averaged over sequences. `normaliser`
-    replaces the local count (tokens or sequences) so micro-batches add up to the mini-batch value."""
-    mask = mask.to(per_token.dtype)
-    if mode == "token-mean":
-        return (per_token * mask).sum() / (normaliser if normaliser is not None else mask.sum().clamp(min=1))
-    lengths = mask.sum(dim=1)
-    if mode == "seq-mean-token-sum":
-        per_seq = (per_token * mask).sum(dim=1)
-    elif mode == "seq-mean-token-mean":
-        per_seq = (per_token * mask).sum(dim=1) / lengths.clamp(min=1)
-    else:
-        raise ValueError(f"unknown loss aggregation {mode!r}")
-    return per_seq.sum() / (normaliser if normaliser is not None else max(per_token.shape[0], 1))
-
-
-def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                   with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy.
-
-    Under the sampling temperature: the policy being optimised is the one rollouts came from."""
-    # the last position's logits would predict past the end: it is not run
-    logits = module(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).logits.float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
-
-
-def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
-                     rids: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
-    """`trainer.fasttrain.prefix_logits` through the model's own forward: the prompts' pass with a KV
-    cache, copied out to the samples, then the responses' pass on it (any model, any device)."""
-    R = rids.shape[1]
-    dev = pids.device
-    out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
-                 use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_select_indices(inverse)
-    first = out.logits[:, -1:].index_select(0, inverse)  # see fasttrain.prefix_logits
-    if R == 1:
-        return first
-    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=dev)[None]
-    resp = module(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
-                  position_ids=positions, past_key_values=cache, use_cache=True).logits
-    return torch.cat([first, resp], 1)
-
-
-def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
-                           with_entropy: bool = False, temperature: float = 1.0,
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` at the response positions (0 elsewhere), each distinct prompt run once.
-
-    The samples of a group share their prompt, and a prompt token never attends to what follows,
-    so its hidden states are the same in every sample: the prompts go through the model once
-    (left-padded), their keys and values reach the samples, and the responses run on them. The
-    gradient reaches the prompt pass through them, summed over the group's samples: the same
-    loss and gradients as one pass per sample, without the repeated prompt tokens (a third of a
-    GRPO batch's tokens on the reference workload). Llama-family models on CPU run the passes
-    through `trainer.fasttrain` (fused ops, same results up to rounding), others the model's own."""
-    B, W = ids.shape
-    plen = prompt_len.tolist()
-    rlen = (attn.sum(1) - prompt_len).tolist()
-    prompts = [ids[i, : plen[i]].tolist() for i in range(B)]
-    rows, inverse = distinct(prompts)
-    R = max(max(rlen), 1)
-    pad = 0  # any id: padded positions are masked out
-    dev = ids.device
-    pids, pmask = left_pad([prompts[r] for r in rows], pad)
-    pids, pmask, inverse = pids.to(dev), pmask.to(dev, attn.dtype), inverse.to(dev)
-    rids = torch.full((B, R), pad, dtype=ids.dtype, device=dev)
-    rmask = torch.zeros((B, R), dtype=attn.dtype, device=dev)
-    for i in range(B):
-        rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
-        rmask[i, : rlen[i]] = 1
-    # Response token j is predicted at the prompt's last position (j = 0) or the response's j - 1.
-    passes = fasttrain.prefix_logits if fasttrain.unsupported(module) is None else hf_prefix_logits
-    logits = passes(module, pids, pmask, inverse, rids, rmask).float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
-    entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
-    # back to the packed layout: response token j of sample i sits at position plen[i] - 1 + j
-    index = prompt_len[:, None] - 1 + torch.arange(R, device=dev)[None]
-
-    def unpack(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((B, W - 1 + R), dtype=x.dtype, device=dev).scatter(1, index, x)[:, : W - 1]
-
-    return unpack(lp), (unpack(entropy) if entropy is not None else None)
-
-
-def response_logprobs(module: torch.nn.Module, part: "PackedBatch", temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of a packed batch's response tokens: prompts that several samples
-    share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`); the
-    fused passes of `trainer.fasttrain` always take the shared layout (no padding computed)."""
-    plen = part.prompt_len.tolist()
-    if (fasttrain.unsupported(module) is None
-            or len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen)):
-        return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature)
-    return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
-
-
-@dataclass
-class PackedBatch:
-    ids: torch.Tensor        # [B, T] prompt + response, right padded
-    attn: torch.Tensor       # [B, T]
-    mask: torch.Tensor       # [B, T-1] 1 where the target token is a response token
-    adv: torch.Tensor        # [B] advantage per sequence
-    engine_logp: torch.Tensor  # [B, T-1] aligned with mask
-    prompt_len: torch.Tensor   # [B]
-
-    def to(self, device: torch.device) -> "PackedBatch":
-        return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def pack(samples: list[Sample], advantages: list[float], pad_id: int) -> PackedBatch:
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    n = len(samples)
-    # built as Python lists and converted once: a tensor op a row costs more than the rows' data
-    ids = [s.prompt_ids + s.response_ids + [pad_id] * (width - len(s.prompt_ids) - len(s.response_ids))
-           for s in samples]
-    attn = [[1] * (len(s.prompt_ids) + len(s.response_ids)) + [0] * (width - len(s.prompt_ids) - len(s.response_ids))
-            for s in samples]
-    mask, elp = [], []
-    for s in samples:
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        after = width - 1 - (p - 1 + r)
-        mask.append([0.0] * (p - 1) + [1.0] * r + [0.0] * after)
-        elp.append([0.0] * (p - 1) + list(s.engine_logprobs[:r]) + [0.0] * after)
-    return PackedBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long),
-                       torch.tensor(mask, dtype=torch.float32).view(n, width - 1),
-                       torch.tensor(advantages, dtype=torch.float32), torch.tensor(elp, dtype=torch.float32).view(n, width - 1),
-                       torch.tensor([len(s.prompt_ids) for s in samples]))
-
-
-def _slice(b: PackedBatch, idx: list[int]) -> PackedBatch:
-    sel = torch.tensor(idx)
-    width = int(b.attn[sel].sum(dim=1).max())  # trim shared padding
-    return PackedBatch(b.ids[sel, :width], b.attn[sel, :width], b.mask[sel, : width - 1], b.adv[sel],
-                       b.engine_logp[sel, : width - 1], b.prompt_len[sel])
 
 
 # ---------------------------------------------------------------- the trainer
@@ -246,7 +72,6 @@ class GRPOTrainer:
         self.started = time.perf_counter()
         self.seconds_before_resume = 0.0
         self.resumed_from: int | None = None
-        self._pending: dict[str, float] = {}  # the last update's stats, recorded by sync()
         # one optimizer step a round: old log-probs from the training forward (False: a separate pass,
         # the pre-0.2 behaviour, kept for the parity test)
         self.reuse_training_logprobs = True
@@ -280,13 +105,15 @@ class GRPOTrainer:
 
     # -- round steps
     def rollout(self) -> RolloutBatch:
-        return self.manager.generate(self.round + 1)
+        """The next round's trajectories, sampled by the policy published last (version = round)."""
+        return self.manager.generate(self.round + 1, version=self.round)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         return self.manager.score(batch)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Optimizer steps over the round's batch; advances the round counter."""
+        """Optimizer steps over the round's trajectories; advances the round counter and returns the
+        round's stats (the batch's own, then the update's), which `publish` records."""
         g = self.cfg.grpo
         t0 = time.perf_counter()
         self.round = batch.round
@@ -294,46 +121,27 @@ class GRPOTrainer:
         samples, advs = [], []
         for group in batch.groups:
             r = torch.tensor([group.rewards()], dtype=torch.float32)
-            a = group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
+            a = losses.group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
             for s, adv in zip(group.samples, a):
-                if s.response_ids:  # an empty completion has no token to train on
+                if s.trained_tokens:  # a trajectory without a token of the policy's has nothing to train
                     samples.append(s)
                     advs.append(adv)
         if not samples:
             log.warning("grpo round %d: no usable samples after filtering; skipping the update", self.round)
             stats.update({"time/update_seconds": time.perf_counter() - t0, "update/skipped": 1.0,
                           "update/optimizer_steps": 0})
-            self._pending = stats  # sync() records the round, this one's own stats
             return stats
         packed = pack(samples, advs, self.tok.pad_token_id)
         group_of = [s.example_index for s in samples]
-        module = self.ds.module
-        dev = self.ds.device  # each micro-batch goes to the rank's GPU (or stays on the CPU)
-        mb = g.micro_batch_size
-        temp = self.cfg.rollout.temperature
         n = len(samples)
         # With one optimizer step a round the policy that sampled is the one being updated: its
         # log-probs are the training forward's own, detached (the ratio is exactly 1, its gradient
         # that of log p), so the separate no-grad pass over the batch is skipped. With more steps
         # the old log-probs must be taken before the first one changes the weights.
         single_step = g.epochs * g.mini_batches == 1 and self.reuse_training_logprobs
-        logp_old = logp_ref = None
-        if not single_step:
-            with torch.no_grad():
-                old, ref = [], []
-                for i in range(0, n, mb):
-                    part = _slice(packed, list(range(i, min(i + mb, n)))).to(dev)
-                    lp, _ = response_logprobs(module, part, temp)
-                    old.append(F.pad(lp, (0, packed.mask.shape[1] - lp.shape[1])))
-                    if self.reference is not None:
-                        rp, _ = response_logprobs(self.reference, part, temp)
-                        ref.append(F.pad(rp, (0, packed.mask.shape[1] - rp.shape[1])))
-                logp_old = torch.cat(old)
-                logp_ref = torch.cat(ref) if ref else None
-        mask = packed.mask
+        before = None if single_step else self._old_logprobs(packed)
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.round)
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio": 0.0,
-                "engine_diff": 0.0, "tis": 0.0}
+        sums = dict.fromkeys(("loss", *losses.REPORTED), 0.0)
         steps, tokens = 0, 0.0
         grad_norms = []
         rank, world = ds.rank(), ds.world_size()
@@ -350,59 +158,27 @@ class GRPOTrainer:
                 # DeepSpeed's gradient all-reduce meets at the same step.
                 share = math.ceil(len(idx) / world)
                 mine = idx[rank * share : (rank + 1) * share]
-                n_micro = max(1, math.ceil(share / mb))
-                micro = [mine[i * mb : (i + 1) * mb] for i in range(n_micro)]
+                n_micro = max(1, math.ceil(share / g.micro_batch_size))
+                micro = [mine[i * g.micro_batch_size : (i + 1) * g.micro_batch_size] for i in range(n_micro)]
                 # DeepSpeed scales each backward by 1 / its accumulation steps, and left alone it
                 # steps when its never-reset micro-step counter hits a multiple of them: with a
                 # micro-batch count that changes between mini-batches that lands mid-mini-batch.
                 # The boundary is set explicitly so the step falls on this mini-batch's last one.
-                self.ds.set_train_batch_size(mb * n_micro * world)
-                sel = torch.tensor(idx)
-                if g.loss_agg == "token-mean":
-                    norm = float(mask[sel].sum().clamp(min=1))
-                else:
-                    norm = float(len(idx))
+                self.ds.set_train_batch_size(g.micro_batch_size * n_micro * world)
+                norm = losses.normaliser(packed.mask[torch.tensor(idx)], g.loss_agg)
                 for k, part_idx in enumerate(micro):
                     self.ds.set_gradient_accumulation_boundary(k == n_micro - 1)
                     weight = 1.0 if part_idx else 0.0
-                    part_idx = part_idx or idx[:1]
-                    part = _slice(packed, part_idx).to(dev)
-                    sel_p = torch.tensor(part_idx, device=dev)
-                    w = part.mask.shape[1]
-                    lp, ent = response_logprobs(module, part, temp, with_entropy=g.entropy_coef > 0)
-                    adv = part.adv.unsqueeze(1).expand_as(lp)
-                    old_p = lp.detach() if single_step else logp_old[sel_p, :w]
-                    # truncated importance sampling: trainer over engine probability of each sampled token
-                    tis = torch.exp(old_p - part.engine_logp)
-                    tis = tis.clamp(max=g.tis_cap) if g.tis_cap is not None else torch.ones_like(tis)
-                    pg, clipped = clipped_objective(lp, old_p, adv, g.clip_low, g.clip_high)
-                    per_tok = pg * tis
-                    ref_p = None
-                    if self.reference is not None:
-                        if single_step:
-                            with torch.no_grad():
-                                ref_p, _ = response_logprobs(self.reference, part, temp)
-                        else:
-                            ref_p = logp_ref[sel_p, :w]
-                    if ref_p is not None:
-                        kl = kl_estimate(lp, ref_p, g.kl_estimator)
-                        per_tok = per_tok + g.kl_coef * kl
-                        sums["kl"] += weight * float((kl.detach() * part.mask).sum())
-                    if ent is not None:
-                        per_tok = per_tok - g.entropy_coef * ent
-                        sums["entropy"] += weight * float((ent.detach() * part.mask).sum())
-                    loss = aggregate(per_tok, part.mask, g.loss_agg, normaliser=norm) * weight
+                    loss, report, mask = self._micro_loss(packed, part_idx or idx[:1], before, norm)
+                    loss = loss * weight
                     # DeepSpeed divides by its accumulation steps and averages over ranks; we
                     # normalised by the whole mini-batch.
                     self.ds.backward(loss * n_micro * world)
                     self.ds.step()
                     sums["loss"] += float(loss.detach())
-                    sums["pg_loss"] += weight * float((pg.detach() * part.mask).sum())
-                    sums["clip_frac"] += weight * float((clipped.float() * part.mask).sum())
-                    sums["ratio"] += weight * float((torch.exp(lp.detach() - old_p) * part.mask).sum())
-                    sums["engine_diff"] += weight * float(((old_p - part.engine_logp).abs() * part.mask).sum())
-                    sums["tis"] += weight * float((tis * part.mask).sum())
-                    tokens += weight * float(part.mask.sum())
+                    for name, values in report.items():
+                        sums[name] += weight * float((values * mask).sum())
+                    tokens += weight * float(mask.sum())
                 gn = self.ds.get_global_grad_norm()
                 grad_norms.append(float(gn) if gn is not None else float("nan"))
                 steps += 1
@@ -415,12 +191,51 @@ class GRPOTrainer:
             "update/kl": sums["kl"] / t, "update/entropy": sums["entropy"] / t,
             "update/clip_frac": sums["clip_frac"] / t, "update/ratio_mean": sums["ratio"] / t,
             "update/grad_norm": sum(grad_norms) / len(grad_norms), "update/optimizer_steps": steps,
-            "update/lr": self.ds.get_lr()[0], "update/samples": n,
+            "update/lr": self.ds.get_lr()[0], "update/samples": n, "update/trained_tokens": t,
             "update/tis_weight_mean": sums["tis"] / t, "update/engine_logprob_abs_diff": sums["engine_diff"] / t,
             "time/update_seconds": time.perf_counter() - t0,
         })
-        self._pending = stats
         return stats
+
+    def _old_logprobs(self, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling policy's (and the reference's) log-probs over the whole batch, before the
+        first optimizer step changes the weights."""
+        mb, temp, dev = self.cfg.grpo.micro_batch_size, self.cfg.rollout.temperature, self.ds.device
+        n, width = packed.mask.shape
+        old, ref = [], []
+        with torch.no_grad():
+            for i in range(0, n, mb):
+                part = rows(packed, list(range(i, min(i + mb, n)))).to(dev)
+                lp, _ = response_logprobs(self.ds.module, part, temp)
+                old.append(F.pad(lp, (0, width - lp.shape[1])))
+                if self.reference is not None:
+                    rp, _ = response_logprobs(self.reference, part, temp)
+                    ref.append(F.pad(rp, (0, width - rp.shape[1])))
+        return torch.cat(old), (torch.cat(ref) if ref else None)
+
+    def _micro_loss(self, packed: PackedBatch, idx: list[int],
+                    before: tuple[torch.Tensor, torch.Tensor | None] | None, norm: float,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """One micro-batch's aggregated loss, the terms' per-token reports, and its loss mask.
+        `before`: the old and reference log-probs of the whole batch (None: one step a round, the
+        old ones are this forward's own, the reference's are taken here)."""
+        g, temp, dev = self.cfg.grpo, self.cfg.rollout.temperature, self.ds.device
+        part = rows(packed, idx).to(dev)
+        lp, ent = response_logprobs(self.ds.module, part, temp, with_entropy=g.entropy_coef > 0)
+        w = part.mask.shape[1]
+        if before is None:
+            old, ref = lp.detach(), None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = response_logprobs(self.reference, part, temp)
+        else:
+            sel = torch.tensor(idx, device=dev)
+            old = before[0][sel, :w]
+            ref = before[1][sel, :w] if before[1] is not None else None
+        tokens = losses.Tokens(logp=lp, old=old, engine=part.engine_logp, adv=part.adv.unsqueeze(1).expand_as(lp),
+                               mask=part.mask, ref=ref, entropy=ent)
+        per_token, report = losses.token_loss(tokens, g)
+        return losses.aggregate(per_token, part.mask, g.loss_agg, normaliser=norm), report, part.mask
 
     def push_weights(self) -> None:
         """Give an out-of-process rollout engine the policy's current weights (the HF engine shares them)."""
@@ -433,18 +248,17 @@ class GRPOTrainer:
             self.engine.update_weights(str(model_dir))
         ds.barrier()
 
-    def sync(self) -> float:
-        """Push the new weights to the rollout engine; returns seconds spent."""
+    def publish(self, stats: dict[str, float]) -> dict[str, float]:
+        """Publish the round's weights (the policy version `self.round`) to the rollout engine, then
+        record the round: its stats with the seconds the push took go to the history and the logger."""
         t0 = time.perf_counter()
         self.push_weights()
-        seconds = time.perf_counter() - t0
-        stats, self._pending = self._pending, {}
-        stats["time/sync_seconds"] = seconds
+        stats = {**stats, "time/sync_seconds": time.perf_counter() - t0}
         stats["time/round_seconds"] = sum(stats.get(f"time/{k}_seconds", 0.0) for k in ("generate", "reward", "update", "sync"))
         stats["time/grpo_elapsed"] = self.elapsed()
         self.history.append({"round": float(self.round), **stats})
         self.logger.log_metrics(stats, step=self.round)
-        return seconds
+        return stats
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy and pass@k on the first grpo.eval_examples held-out problems."""

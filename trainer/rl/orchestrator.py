@@ -1,10 +1,10 @@
-"""Rollouts, SLIME-style: a data buffer, engines behind one small interface, and the manager that
-over-samples groups, scores them, filters those without signal and carries the surplus over.
+"""Rollouts, SLIME-style: the orchestrator owns the data buffer, the engine and the rewards; it
+over-samples groups, scores them, filters those without signal and carries the surplus over, and
+hands the round's `RolloutBatch` of trajectories (`trainer.rl.trajectory`) to the trainer.
 
-An engine turns prompts (token ids) into `Generation`s (token ids, per-token logprobs under the
-sampling distribution, finish reason) and can receive new weights. `HFEngine` runs in process and
-shares the policy's module, so a weight sync costs nothing; `trainer.sglang.SGLangEngine` talks
-to SGLang servers over HTTP.
+Every sample records the policy version that produced it (the number of updates published before
+its round's generation); a carried-over group trains one version later than it was sampled, which
+`rollout/staleness_mean` reports.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,89 +21,14 @@ from trainer import engine as ds
 from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
-from trainer.generate import Generation, generate
-from trainer.rewards import RewardError, RewardMix
+from trainer.generate import Generation
+from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.rl.rewards import RewardError, RewardMix
+from trainer.rl.trajectory import Group, RolloutBatch, Sample
 
 
 MAX_CARRY_AGE = 1  # rounds a surplus group may wait before it is dropped
 CHUNK_SEED_STRIDE = 10_000_019  # seed offset between a round's generation chunks
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    min_new_tokens: int = 0
-
-
-class RolloutEngine(Protocol):
-    concurrent: bool  # whether generate() may be called from several threads at once
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
-    def update_weights(self, model_dir: str | None) -> None: ...
-    def close(self) -> None: ...
-
-
-class HFEngine:
-    """In-process generation with the policy's own module (world size 1)."""
-
-    concurrent = False  # one call at a time: it computes in this process
-
-    def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512) -> None:
-        self.module, self.tok, self.batch_size = module, tok, batch_size
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
-                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
-                        min_new_tokens=params.min_new_tokens)
-
-    def update_weights(self, model_dir: str | None) -> None:
-        pass  # shares the trainer's parameters
-
-    def close(self) -> None:
-        pass
-
-
-# ---------------------------------------------------------------- records
-
-@dataclass
-class Sample:
-    """One response to one prompt."""
-
-    example_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    engine_logprobs: list[float]
-    text: str
-    finish_reason: str
-    reward: float = 0.0
-    components: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class Group:
-    """n samples for one prompt; GRPO's advantages are relative within a group."""
-
-    example_index: int
-    samples: list[Sample]
-    round_generated: int
-
-    def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
-
-
-@dataclass
-class RolloutBatch:
-    round: int
-    groups: list[Group]
-    stats: dict[str, float] = field(default_factory=dict)
-    chunks: list[int] = field(default_factory=list)  # each group's generation chunk (see generate)
-
-    @property
-    def samples(self) -> list[Sample]:
-        return [s for g in self.groups for s in g.samples]
 
 
 # ---------------------------------------------------------------- data buffer
@@ -175,8 +99,9 @@ class RolloutManager:
             self._prompt_cache[i] = encode_prompt(self.tok, prompt_messages(self.examples[i]))
         return self._prompt_cache[i]
 
-    def generate(self, round_: int) -> RolloutBatch:
-        """Generate n samples for enough prompts to fill a round after filtering (over-sampling)."""
+    def generate(self, round_: int, version: int) -> RolloutBatch:
+        """Generate n samples for enough prompts to fill a round after filtering (over-sampling),
+        from the policy at `version` (updates published so far)."""
         cfg = self.cfg
         want = max(0, groups_per_round(cfg) - len(self.carry))
         t0 = time.perf_counter()
@@ -217,8 +142,8 @@ class RolloutManager:
             n_tokens += sum(len(g.token_ids) for g in gens)
             for g_i, ex_i in enumerate(chunks[c]):
                 chunk = gens[g_i * n : (g_i + 1) * n]
-                groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason)
-                                           for g in chunk], round_))
+                groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason,
+                                                  version=version) for g in chunk], round_))
                 chunk_of.append(c)
         seconds = time.perf_counter() - t0
         return RolloutBatch(round_, groups, {
@@ -288,6 +213,9 @@ class RolloutManager:
             "rollout/groups_dropped_stale": stale,
             "rollout/bad_rewards_skipped": bad,
             "rollout/empty_responses": sum(1 for s in samples_used if not s.response_ids),
+            # versions between the policy that sampled and the one this round trains (round - 1)
+            "rollout/staleness_mean": statistics.fmean(batch.round - 1 - s.version for s in samples_used)
+            if samples_used else 0.0,
             "rollout/truncated_responses": sum(1 for s in samples_used if s.finish_reason == "length"),
             "rollout/response_length": statistics.fmean(lengths),
             "time/reward_seconds": time.perf_counter() - t0,

@@ -3,14 +3,14 @@
 - environment: SGLang pins its own torch and transformers, so launched servers run from their own
   interpreter (`rollout.sglang.python`; by default the one `make sglang-env` builds under
   `$POSTTRAIN_SGLANG_HOME`, keyed by the pins in `deployments/sglang/`).
-- launch: `<python> trainer/sglang_server.py --parent-pid <this process> -- --model-path ...`, one
+- launch: `<python> trainer/rl/sglang_server.py --parent-pid <this process> -- --model-path ...`, one
   process group per server, waited on with GET /health. The wrapper runs SGLang's own
   `sglang.launch_server` unchanged and takes the whole server down when the process that started
   it is gone, even after a SIGKILL. Or connect to running servers (`rollout.sglang.urls`).
 - generate: POST /generate with `input_ids`, one `sampling_params` per prompt (sample i of a call
   gets seed base + i) and `return_logprob`; each result's `meta_info.output_token_logprobs` holds
   `[logprob, token_id, text]` per generated token, `meta_info.finish_reason.type` is "stop" or
-  "length". Prompts go round-robin over servers.
+  "length". Every copy of a prompt goes to one server (its prefix cache), distinct prompts round-robin.
 - weights: POST /update_weights_from_disk {"model_path": ...} on every server. SGLang answers 200
   `{"success": true}`, or 400 `{"success": false, "message": ...}` and keeps the old weights.
 
@@ -41,7 +41,7 @@ from trainer.generate import Generation
 
 log = logging.getLogger(__name__)
 
-PINS_DIR = Path(__file__).resolve().parent.parent / "deployments" / "sglang"
+PINS_DIR = Path(__file__).resolve().parents[2] / "deployments" / "sglang"
 SERVER_WRAPPER = Path(__file__).resolve().parent / "sglang_server.py"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 
@@ -214,7 +214,7 @@ def _group_alive(pgid: int) -> bool:
 
 class SGLangEngine:
     # generate() may be called from several threads at once: a round's chunks are all sent together,
-    # and the servers batch them (trainer/rollout.py)
+    # and the servers batch them (trainer/rl/orchestrator.py)
     concurrent = True
 
     def __init__(self, servers: list[_Server], tok, request_timeout_s: float = 600.0) -> None:

@@ -1,0 +1,63 @@
+"""GRPO's round, written once: rollout -> reward -> update and publish -> eval -> checkpoint.
+
+The Prefect tasks (`tasks/grpo.py`, each step a task in the UI), the ranks the DeepSpeed launcher
+starts (each step called directly) and the tests all run `run_round` / `run_rounds`; what differs
+is `call`, which runs one named step: `direct` here, a Prefect task there.
+
+    stats = run_round(trainer)                     # one round, steps called directly
+    run_rounds(trainer, call=as_prefect_tasks)     # to the end of the stage's schedule
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+from trainer import faults
+
+if TYPE_CHECKING:
+    from trainer.grpo import GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+STEPS = ("rollout", "reward", "update", "eval", "checkpoint")
+Call = Callable[..., Any]  # call(step name, round, function, *args) -> the function's result
+
+
+def direct(step: str, round_: int, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = None,
+              say: logging.Logger | None = None) -> dict[str, float]:
+    """One round; returns its recorded stats. `fault` injects the test faults of `trainer.faults`."""
+    fault = fault or {}
+    say = say or log
+    r = trainer.round + 1
+    batch = call("rollout", r, trainer.rollout)
+    batch = call("reward", r, trainer.score, batch)
+    faults.check("grpo_mid_round", r, fault)
+    stats = call("update", r, lambda b: trainer.publish(trainer.update(b)), batch)
+    say.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", r,
+             stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
+             stats.get("rollout/groups_used", 0), stats.get("rollout/groups_filtered", 0),
+             stats.get("time/round_seconds", math.nan))
+    faults.check("grpo_after_update", r, fault)
+    if trainer.round % trainer.cfg.grpo.sample_table_every == 0:
+        trainer.logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
+    if trainer.should_eval():
+        metrics = call("eval", r, trainer.evaluate)
+        if metrics:  # rank 0's
+            say.info("round %d eval: %s", r, {k: round(v, 4) for k, v in metrics.items()})
+    if trainer.should_checkpoint():
+        call("checkpoint", r, trainer.save)
+    faults.check("grpo_round", r, fault)
+    return stats
+
+
+def run_rounds(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = None,
+               say: logging.Logger | None = None) -> None:
+    """Rounds until the stage's schedule (grpo.rounds, grpo.max_seconds) is done."""
+    while not trainer.done():
+        run_round(trainer, call, fault, say)

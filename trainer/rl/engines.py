@@ -1,0 +1,53 @@
+"""Rollout engines behind one small interface, and the sampling parameters they take.
+
+An engine turns prompts (token ids) into `Generation`s (token ids, per-token log-probs under the
+sampling distribution, finish reason) and can receive new weights. `HFEngine` runs in process and
+shares the policy's module, so a weight sync costs nothing; `trainer.rl.sglang.SGLangEngine` talks
+to SGLang servers over HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from trainer.generate import Generation, generate
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+
+class RolloutEngine(Protocol):
+    concurrent: bool  # whether generate() may be called from several threads at once
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    def update_weights(self, model_dir: str | None) -> None: ...
+    def close(self) -> None: ...
+
+
+class HFEngine:
+    """In-process generation with the policy's own module (world size 1)."""
+
+    concurrent = False  # one call at a time: it computes in this process
+
+    def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512) -> None:
+        self.module, self.tok, self.batch_size = module, tok, batch_size
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
+                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
+                        min_new_tokens=params.min_new_tokens)
+
+    def update_weights(self, model_dir: str | None) -> None:
+        pass  # shares the trainer's parameters
+
+    def close(self) -> None:
+        pass
