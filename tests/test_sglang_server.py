@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from trainer.config import SGLangConfig
-from trainer import sglang
+from trainer.rl import sglang
 from trainer.rl.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
 
 pytestmark = pytest.mark.slow
