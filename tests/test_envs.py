@@ -1,0 +1,211 @@
+"""Environments and tools (trainer/rl/envs.py), everything a policy can write handled in bounded time.
+
+- the calculator: exact values, and every refusal (code, huge numbers, huge exponents, division by
+  zero, long or empty input) an error message, not an exception or a hang;
+- tool calls parsed from a turn: good ones, arguments as a JSON string, and each malformed shape an
+  error the policy reads;
+- an episode with tools: results and errors as tool messages, counted; the answer or max_turns ends it;
+  a tool that raises or hangs answers with an error after its time limit;
+- tools' schemas from signatures and docstrings; environments by name, as subclasses, or TRL-style
+  classes; each bad spec stops with the module, class or method named.
+"""
+
+import sys
+import textwrap
+import time
+
+import pytest
+
+from trainer.rl.envs import (Calculator, CalculatorError, EnvironmentSpecError, SingleTurn, Tool, ToolCall,
+                             ToolEnvironment, calculate, load_environment, parse_tool_calls)
+
+EXAMPLE = {"id": "p1", "answer": "84",
+           "messages": [{"role": "user", "content": "What is (3+4)*12?"}, {"role": "assistant", "content": "84"}]}
+
+
+@pytest.mark.parametrize("expr,value", [("48/2", "24"), ("(3+4)*12", "84"), ("1/3", "0.333333"), ("2**10", "1024"),
+                                        ("7//2", "3"), ("-3+1", "-2"), ("1,000*3", "3000"), ("0.1+0.2", "0.3"),
+                                        ("2^3", "8"), ("10 % 4", "2"), ("2**-2", "0.25"), (" 6 × 7 ", "42")])
+def test_the_calculator_is_exact(expr, value):
+    assert calculate(expr) == value
+
+
+ADVERSARIAL = ["10**10**9", "9**9**9**9", "2**0.5", "__import__('os').system('true')", "open('/etc/passwd')",
+               "1/0", "5 % 0", "0**-1", "", "1+" * 150 + "1", "9" * 40, "1e308*10", "(" * 120 + "1" + ")" * 120,
+               "[1, 2]", "x + 1", "lambda: 1", "'a' * 9", "1 if 1 else 2", "1; 2"]
+
+
+def test_the_calculator_refuses_what_is_not_bounded_arithmetic_quickly():
+    t0 = time.perf_counter()
+    for expr in ADVERSARIAL:
+        with pytest.raises(CalculatorError):
+            calculate(expr)
+    assert time.perf_counter() - t0 < 2.0  # bounded: none of them starts an unbounded computation
+
+
+def test_tool_calls_are_parsed_and_every_malformed_one_is_an_error():
+    ok = '<tool_call>{"name": "calculator", "arguments": {"expression": "48/2"}}</tool_call>'
+    assert parse_tool_calls("I will compute. " + ok) == [ToolCall("calculator", {"expression": "48/2"})]
+    as_string = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    assert parse_tool_calls(as_string) == [ToolCall("calculator", {"expression": "1+1"})]
+    assert parse_tool_calls("no call, the answer is #### 4") == []
+    cases = {"<tool_call>{not json}</tool_call>": "not JSON", "<tool_call>[1, 2]</tool_call>": '"name"',
+             '<tool_call>{"arguments": {}}</tool_call>': '"name"',
+             '<tool_call>{"name": "calculator", "argu': "not closed",
+             "<tool_call>" + "x" * 3000 + "</tool_call>": "at most 2000 characters"}
+    for text, message in cases.items():
+        out = parse_tool_calls(text)
+        assert len(out) == 1 and isinstance(out[0], str) and message in out[0], (text[:40], out)
+    many = parse_tool_calls(ok * 6)
+    assert sum(isinstance(c, ToolCall) for c in many) == 4 and "at most 4" in many[-1]
+    t0 = time.perf_counter()
+    parse_tool_calls("<tool_call>" * 5000 + "{" * 5000)  # pathological text: linear, not a hang
+    assert time.perf_counter() - t0 < 2.0
+
+
+def call(name, **arguments):
+    import json
+
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_a_calculator_episode_answers_tools_counts_errors_and_ends():
+    episode = Calculator(max_turns=3).reset(EXAMPLE)
+    assert episode.messages == EXAMPLE["messages"][:-1] and [t.name for t in episode.tools] == ["calculator"]
+    step = episode.step("First 3+4. " + call("calculator", expression="3+4"))
+    assert not step.done and step.tool_calls == 1 and step.tool_errors == 0
+    assert step.observation == [{"role": "tool", "name": "calculator", "content": "7"}]
+    step = episode.step(call("calc", expression="1") + call("calculator", expr="1") + call("calculator", expression=5)
+                        + call("calculator", expression="1/0"))
+    assert step.tool_calls == 4 and step.tool_errors == 4 and not step.done
+    answers = [m["content"] for m in step.observation]
+    assert "no tool named 'calc'" in answers[0] and "has no argument 'expr'" in answers[1]
+    assert "must be of type string" in answers[2] and "division by zero" in answers[3]
+    step = episode.step(call("calculator", expression="7*12"))  # the third turn: nothing would read the answer
+    assert step.done and step.reason == "max_turns" and step.observation == []
+    fresh = Calculator().reset(EXAMPLE)
+    assert fresh.step("The answer is #### 84").reason == "answer"
+    assert SingleTurn().reset(EXAMPLE).step("anything").reason == "answer"
+
+
+def test_a_tool_that_raises_or_hangs_answers_with_an_error_within_its_time_limit():
+    def flaky(n: int) -> str:
+        """Fails.
+
+        Args:
+            n: anything.
+        """
+        raise RuntimeError("boom")
+
+    def hang(n: int) -> str:
+        """Never returns.
+
+        Args:
+            n: anything.
+        """
+        while True:
+            time.sleep(0.01)
+
+    episode = ToolEnvironment([flaky, hang], max_turns=5, tool_timeout_s=0.3).reset(EXAMPLE)
+    t0 = time.perf_counter()
+    step = episode.step(call("flaky", n=1) + call("hang", n=1))
+    assert time.perf_counter() - t0 < 1.5
+    assert step.tool_errors == 2
+    assert step.observation[0]["content"] == "error: flaky raised RuntimeError: boom"
+    assert step.observation[1]["content"] == "error: hang timed out after 0.3s"
+
+
+def test_tool_schemas_come_from_signatures_and_docstrings():
+    tool = Tool.from_function(Calculator().tools[0].fn)
+    fn = tool.schema["function"]
+    assert fn["name"] == "calculator" and fn["parameters"]["required"] == ["expression"]
+    assert "48/2" in fn["parameters"]["properties"]["expression"]["description"]
+
+    def untyped(x):
+        """No hints."""
+
+    with pytest.raises(EnvironmentSpecError, match="tool 'untyped'.*type hint on every argument"):
+        Tool.from_function(untyped)
+
+
+MODULE = textwrap.dedent('''
+    from trainer.rl.envs import Environment, ToolEpisode, Tool
+
+    class Notes:
+        """TRL-style: no-argument constructor, reset(**row), public methods are the tools."""
+
+        def __init__(self):
+            self.notes = []
+
+        def reset(self, **row) -> str:
+            self.gold = row["answer"]
+            return "You may write notes."
+
+        def write(self, text: str) -> str:
+            """Keep a note.
+
+            Args:
+                text: the note.
+            """
+            self.notes.append(text)
+            return f"{len(self.notes)} notes"
+
+    class NoReset:
+        def write(self, text: str) -> str:
+            """Args:
+                text: t.
+            """
+
+    class NeedsArgs:
+        def __init__(self, path):
+            pass
+
+        def reset(self, **row):
+            pass
+
+        def look(self, q: str) -> str:
+            """Look.
+
+            Args:
+                q: what.
+            """
+
+    class Half(Environment):
+        pass
+''')
+
+
+@pytest.fixture
+def env_module(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(MODULE)
+    (tmp_path / "broken_envs.py").write_text("import not_a_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_envs"
+    for name in ("my_envs", "broken_envs"):
+        sys.modules.pop(name, None)
+
+
+def test_environments_by_name_and_trl_style_classes(env_module):
+    assert isinstance(load_environment("single_turn"), SingleTurn)
+    assert isinstance(load_environment("calculator", max_turns=2), Calculator)
+    env = load_environment("my_envs:Notes", max_turns=3)
+    a, b = env.reset(EXAMPLE), env.reset(EXAMPLE)  # an instance per episode
+    assert a.messages[-1]["content"] == "What is (3+4)*12?\n\nYou may write notes."
+    assert EXAMPLE["messages"][0]["content"] == "What is (3+4)*12?"  # the row is not changed
+    assert a.step(call("write", text="x")).observation[0]["content"] == "1 notes"
+    assert a.step(call("write", text="y")).observation[0]["content"] == "2 notes"
+    assert b.step(call("write", text="z")).observation[0]["content"] == "1 notes"
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("calculater", "use \\['calculator', 'single_turn'\\] or 'package.module:Class'"),
+    ("no_such_pkg.envs:Env", "module 'no_such_pkg.envs' failed to import \\(ModuleNotFoundError"),
+    ("broken_envs:Env", "module 'broken_envs' failed to import"),
+    ("my_envs:Missing", "module 'my_envs' has no class 'Missing'"),
+    ("my_envs:NoReset", "my_envs.NoReset has no reset method"),
+    ("my_envs:NeedsArgs", r"my_envs.NeedsArgs\(\) needs the arguments \['path'\]"),
+    ("my_envs:Half", "Half does not implement reset"),
+])
+def test_a_bad_environment_spec_names_what_is_wrong(env_module, spec, message):
+    with pytest.raises(EnvironmentSpecError, match=message):
+        load_environment(spec)
