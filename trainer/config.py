@@ -213,6 +213,32 @@ class SGLangConfig(Strict):
                                      "the round, naming the server")
 
 
+class EnvironmentConfig(Strict):
+    """What a rollout is an episode of (trainer/rl/envs.py): one answer, or turns with tools."""
+
+    name: str = Field("single_turn", description="single_turn | calculator | package.module:Class (a subclass "
+                      "of trainer.rl.envs.Environment, or a TRL-style class whose public methods are tools)")
+    max_turns: int = Field(4, ge=1, description="policy turns per episode (single_turn: always 1)")
+    max_tokens: int | None = Field(None, ge=1, description="tokens after the prompt, the policy's and the "
+                                   "environment's together; unset: max_response_tokens x max_turns")
+    tool_timeout_s: float = Field(1.0, gt=0, description="a tool call running longer answers with an error")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for a custom class")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.name != "single_turn"
+
+    @model_validator(mode="after")
+    def _loads(self) -> "EnvironmentConfig":
+        self.load()  # a spec that cannot be used stops the run before it starts, naming what is wrong
+        return self
+
+    def load(self):
+        from trainer.rl.envs import load_environment
+
+        return load_environment(self.name, self.max_turns, self.tool_timeout_s, self.options)
+
+
 class RolloutConfig(Strict):
     engine: Literal["hf", "sglang"] = Field("hf", description="hf: in-process, shares the policy's weights")
     prompts_per_round: int = Field(16, ge=1)
@@ -229,6 +255,7 @@ class RolloutConfig(Strict):
     batch_size: int = Field(512, ge=1, description="sequences per generate call: the unit the ranks share out "
                             "(with N ranks keep it at most a round's sequences / N)")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":

@@ -27,6 +27,8 @@ log-probabilities against the trainer's forward.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -283,9 +285,11 @@ class FastDecoder:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
                top_p: float = 1.0, min_new: int = 0, logprobs: bool = True,
+               stop: Callable[[list[int]], bool] | None = None,
                ) -> tuple[list[list[int]], list[list[float]]]:
-        """New tokens of each prompt (ending at EOS, which is kept, or at max_new) and their log-probs
-        under softmax(logits / T) (greedy: T = 1)."""
+        """New tokens of each prompt (ending at EOS, which is kept, at a token after which `stop` of
+        the row's new tokens is true, also kept, or at max_new) and their log-probs under
+        softmax(logits / T) (greedy: T = 1)."""
         self._pack()
         self.kernel = self._kernel()
         B = len(prompts)
@@ -312,7 +316,7 @@ class FastDecoder:
         out_tok = [[] for _ in range(B)]
         out_lp = [[] for _ in range(B)]
         live = torch.arange(B)  # rows of the original batch still in the cache, in cache order
-        finished = [False] * B     # per cache row: EOS already sampled (it decodes on until compaction)
+        finished = [False] * B     # per cache row: EOS (or a stop) already sampled (it decodes on until compaction)
         next_pos = positions[:, -1] + 1
         # the compiled path samples in one op a step (no top-p: its sort stays in torch ops)
         fused_sampling = self.kernel is not None and temperature > 0 and top_p >= 1.0 and dtype == torch.float32
@@ -331,7 +335,7 @@ class FastDecoder:
                 out_tok[row].append(toks[j])
                 if lps is not None:
                     out_lp[row].append(lps[j])
-                finished[j] = toks[j] == eos
+                finished[j] = toks[j] == eos or (stop is not None and stop(out_tok[row]))
             n_done = sum(finished)
             if t == max_new - 1 or n_done == len(finished):
                 break

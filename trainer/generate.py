@@ -1,7 +1,8 @@
 """Batched generation with the policy's own weights (the in-process HF engine's core).
 
-Prompts are left-padded; generation stops at EOS or `max_new_tokens`. Returns the new token ids,
-their log-probabilities under the sampling distribution, and why each sequence stopped.
+Prompts are left-padded; generation stops at EOS, at a stop string (a tool call's end), or at
+`max_new_tokens`. Returns the new token ids, their log-probabilities under the sampling
+distribution, and why each sequence stopped.
 """
 
 from __future__ import annotations
@@ -62,13 +63,34 @@ class _SampledLogprobs:
         return torch.stack(self.steps, 1) if self.steps else torch.zeros(new.shape, device=new.device)
 
 
+class StopStrings:
+    """True once a row's new tokens' text contains one of `stops` (the token that completes it is
+    kept: the policy's tokens are never cut or re-encoded). Only the last few tokens are decoded
+    each step: an occurrence ending in the newest token fits in them."""
+
+    def __init__(self, tok: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+        self.tok, self.stops = tok, tuple(s for s in stops if s)
+        self.window = max((len(s) for s in self.stops), default=0) + 2
+
+    def __call__(self, tokens: list[int]) -> bool:
+        tail = self.tok.decode(tokens[-self.window :], skip_special_tokens=False)
+        return any(s in tail for s in self.stops)
+
+    def end(self, tokens: list[int]) -> int | None:
+        """Tokens up to and including the one that completes the first stop string; None if none does."""
+        for n in range(1, len(tokens) + 1):
+            if self(tokens[:n]):
+                return n
+        return None
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     text: str
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
     served_by: str | None = None  # the server that generated it (None: in this process)
 
 
@@ -85,6 +107,7 @@ def generate(
     progress=None,
     logprobs: bool = True,
     min_new_tokens: int = 0,
+    stop: tuple[str, ...] = (),
 ) -> list[Generation]:
     """Greedy when temperature == 0, else sampling with temperature / top-p.
 
@@ -92,7 +115,8 @@ def generate(
     renormalisation, as SGLang returns them and as the trainer computes them (the importance
     ratios compare like with like). `logprobs=False` (greedy eval) asks `generate` for no logits
     at all: its memory then does not grow with vocabulary x new tokens. EOS is not sampled before
-    `min_new_tokens` (its log-probability stays that of the unmasked distribution).
+    `min_new_tokens` (its log-probability stays that of the unmasked distribution). A sequence
+    also ends at the token that completes one of the `stop` strings (kept, as SGLang keeps it).
 
     Llama-family models on CPU decode through `trainer.fastgen` (same tokens up to float rounding,
     about 1.4x faster on small models); any other model through HF `generate`."""
@@ -105,6 +129,7 @@ def generate(
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: dict[int, Generation] = {}
     fast = decoder_for(model)
+    stopper = StopStrings(tok, stop) if stop else None
     device = next(model.parameters()).device  # HF generate: the prompts go where the weights are
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
@@ -113,12 +138,13 @@ def generate(
             torch.manual_seed(generator_seed + start)
         if fast is not None:
             toks_all, lps_all = fast.decode(batch, max_new_tokens, eos, pad, temperature=temperature, top_p=top_p,
-                                            min_new=min_new_tokens, logprobs=logprobs)
+                                            min_new=min_new_tokens, logprobs=logprobs, stop=stopper)
             for r, i in enumerate(idx):
                 body = toks_all[r]
+                stopped = bool(body) and (body[-1] == eos or (stopper is not None and stopper(body)))
                 results[i] = Generation(prompt_ids=prompts[i], token_ids=body, logprobs=lps_all[r],
                                         text=tok.decode(body, skip_special_tokens=True),
-                                        finish_reason="stop" if body and body[-1] == eos else "length")
+                                        finish_reason="stop" if stopped else "length")
             if progress is not None:
                 progress.update(len(idx))
             continue
@@ -129,6 +155,8 @@ def generate(
                       eos_token_id=eos, return_dict_in_generate=True)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+        if stopper is not None:
+            kwargs.update(stop_strings=list(stopper.stops), tokenizer=tok)
         # ahead of the temperature and top-p warpers, which generate adds after the processors given
         record = _SampledLogprobs(width, temperature, eos, min_new_tokens, keep=logprobs)
         gen = model.generate(input_ids=ids, attention_mask=attn, logits_processor=[record], **kwargs)
@@ -139,6 +167,9 @@ def generate(
             toks = new[r].tolist()
             n = toks.index(eos) + 1 if eos in toks else len(toks)
             reason = "stop" if eos in toks[:n] else "length"
+            at = stopper.end(toks[:n]) if stopper is not None else None
+            if at is not None:  # a stop string before EOS: what follows it is padding
+                n, reason = at, "stop"
             body = toks[:n]
             results[i] = Generation(
                 prompt_ids=prompts[i], token_ids=body, logprobs=logp[r, :n].tolist() if logprobs else [],

@@ -295,8 +295,13 @@ class GRPOTrainer:
         rows = []
         for s in batch.samples[:k]:
             ex = self.manager.examples[s.example_index]
-            rows.append({"round": self.round, "prompt": ex["messages"][-2]["content"], "response": s.text,
-                         "reward": s.reward, "gold": ex["answer"]})
+            row = {"round": self.round, "prompt": ex["messages"][-2]["content"], "response": s.text,
+                   "reward": s.reward, "gold": ex["answer"]}
+            if s.turns:  # a multi-turn episode: each turn, whether it is trained on, the tools' answers
+                row.update({"turns": "\n".join(f"[{t['role']}{'' if t['trained'] else ', not trained'}] {t['text']}"
+                                                for t in s.turns),
+                            "tool_calls": s.tool_calls, "tool_errors": s.tool_errors, "ended": s.finish_reason})
+            rows.append(row)
         return rows
 
     def save(self) -> None:

@@ -23,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()  # strings that end a sequence (a tool call's end); the token completing one is kept
 
 
 class RolloutEngine(Protocol):
@@ -44,7 +45,7 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
                         top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
-                        min_new_tokens=params.min_new_tokens)
+                        min_new_tokens=params.min_new_tokens, stop=params.stop)
 
     def update_weights(self, model_dir: str | None) -> None:
         pass  # shares the trainer's parameters

@@ -328,17 +328,17 @@ class TRLStyleEnvironment(Environment):
     def __init__(self, cls: type, max_turns: int = 4, tool_timeout_s: float = 1.0) -> None:
         where = f"{cls.__module__}.{cls.__qualname__}"
         if not callable(getattr(cls, "reset", None)):
-            raise EnvironmentSpecError(f"rollout.environment: {where} has no reset method; a TRL-style "
+            raise EnvironmentSpecError(f"rollout.environment.name: {where} has no reset method; a TRL-style "
                                        "environment defines reset(**row) and its tools as public methods")
         required = [p.name for p in inspect.signature(cls).parameters.values()
                     if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         if required:
-            raise EnvironmentSpecError(f"rollout.environment: {where}() needs the arguments {required}; an "
+            raise EnvironmentSpecError(f"rollout.environment.name: {where}() needs the arguments {required}; an "
                                        "environment class is constructed with none (give them defaults)")
         self.names = [n for n, v in inspect.getmembers(cls, inspect.isfunction)
                       if not n.startswith("_") and n != "reset"]
         if not self.names:
-            raise EnvironmentSpecError(f"rollout.environment: {where} has no public method to offer as a tool")
+            raise EnvironmentSpecError(f"rollout.environment.name: {where} has no public method to offer as a tool")
         for n in self.names:  # schemas checked now, not in the first round
             Tool.from_function(getattr(cls, n).__get__(object.__new__(cls)))
         self.cls, self.max_turns, self.tool_timeout_s = cls, max_turns, tool_timeout_s
@@ -355,26 +355,34 @@ class TRLStyleEnvironment(Environment):
 
 # ---------------------------------------------------------------- by name
 
-BUILTIN: dict[str, Callable[..., Environment]] = {"single_turn": lambda **kw: SingleTurn(), "calculator": Calculator}
+BUILTIN = ("calculator", "single_turn")
 
 
-def load_environment(spec: str, **options: Any) -> Environment:
-    """`single_turn`, `calculator`, or `package.module:Class`; checked before the run starts."""
-    if spec in BUILTIN:
-        return BUILTIN[spec](**options)
+def load_environment(spec: str, max_turns: int = 4, tool_timeout_s: float = 1.0,
+                     options: dict[str, Any] | None = None) -> Environment:
+    """`single_turn`, `calculator`, or `package.module:Class` (an `Environment` subclass, built with
+    `options`; or a TRL-style class); checked before the run starts."""
+    if spec == "single_turn":
+        return SingleTurn()
+    if spec == "calculator":
+        return Calculator(max_turns, tool_timeout_s)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise EnvironmentSpecError(f"rollout.environment={spec!r}: use {sorted(BUILTIN)} or 'package.module:Class'")
+        raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: use {list(BUILTIN)} or 'package.module:Class'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise EnvironmentSpecError(f"rollout.environment={spec!r}: module {module_name!r} failed to import "
+        raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: module {module_name!r} failed to import "
                                    f"({type(exc).__name__}: {exc}); check it is on the path of every worker") from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
-        raise EnvironmentSpecError(f"rollout.environment={spec!r}: module {module_name!r} has no class {attr!r}")
+        raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: module {module_name!r} has no class {attr!r}")
     if issubclass(cls, Environment):
         if cls.reset is Environment.reset:
-            raise EnvironmentSpecError(f"rollout.environment={spec!r}: {attr} does not implement reset(example)")
-        return cls(**options)
-    return TRLStyleEnvironment(cls, **options)
+            raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: {attr} does not implement reset(example)")
+        try:
+            return cls(**(options or {}))
+        except TypeError as exc:
+            raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: {attr}(**rollout.environment.options) "
+                                       f"failed: {exc}") from None
+    return TRLStyleEnvironment(cls, max_turns, tool_timeout_s)

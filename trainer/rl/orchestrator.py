@@ -21,8 +21,8 @@ from trainer import engine as ds
 from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
-from trainer.generate import Generation
 from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.rl.multiturn import Observations, play
 from trainer.rl.rewards import RewardError, RewardMix
 from trainer.rl.trajectory import Group, RolloutBatch, Sample
 
@@ -85,6 +85,25 @@ def keep_group(group: Group, mode: str) -> bool:
     return max(r) - min(r) > 1e-9
 
 
+def episode_stats(samples: list[Sample]) -> dict[str, float]:
+    """Per-round metrics of multi-turn episodes: turns, tool calls and errors, and how episodes ended."""
+    if not samples:
+        return {}
+    calls = sum(s.tool_calls for s in samples)
+    errors = sum(s.tool_errors for s in samples)
+    stats = {
+        "rollout/turns_mean": statistics.fmean(sum(t["role"] == "assistant" for t in s.turns) for s in samples),
+        "rollout/tool_calls_mean": calls / len(samples),
+        "rollout/tool_errors": float(errors),
+        "rollout/tool_success_rate": (calls - errors) / calls if calls else 0.0,
+        "rollout/observation_tokens_mean": statistics.fmean(len(s.response_ids) - s.trained_tokens for s in samples),
+    }
+    for s in samples:
+        key = f"rollout/episode_end/{s.finish_reason}"
+        stats[key] = stats.get(key, 0.0) + 1.0
+    return stats
+
+
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, examples: list[dict[str, Any]], tok, engine: RolloutEngine,
                  rewards: RewardMix, seed: int, on_bad_reward: str = "error") -> None:
@@ -93,6 +112,10 @@ class RolloutManager:
         self.buffer = DataBuffer(len(examples), seed)
         self.carry: list[Group] = []
         self._prompt_cache: dict[int, list[int]] = {}
+        env = cfg.environment
+        self.environment = env.load() if env.multi_turn else None
+        self.max_tokens = env.max_tokens or cfg.max_response_tokens * env.max_turns
+        self.observations = Observations(tok) if env.multi_turn else None
 
     def _prompt(self, i: int) -> list[int]:
         if i not in self._prompt_cache:
@@ -125,12 +148,21 @@ class RolloutManager:
         chunks = [indices[i : i + per_chunk] for i in range(0, len(indices), per_chunk)]
         mine = list(range(ds.rank(), len(chunks), ds.world_size()))
 
-        def generate_chunk(c: int) -> list[Generation]:
-            prompts = [self._prompt(i) for i in chunks[c] for _ in range(n)]
+        def generate_chunk(c: int) -> list[Sample]:
             params = SamplingParams(cfg.max_response_tokens, cfg.temperature, cfg.top_p,
                                     seed=self.seed * 100_003 + round_ + CHUNK_SEED_STRIDE * c,
                                     min_new_tokens=cfg.min_response_tokens)
-            return self.engine.generate(prompts, params)
+            examples = [i for i in chunks[c] for _ in range(n)]
+            if self.environment is None:  # one turn: the prompt, the policy's answer
+                gens = self.engine.generate([self._prompt(i) for i in examples], params)
+                return [Sample(i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason, version=version)
+                        for i, g in zip(examples, gens)]
+            episodes = [self.environment.reset(self.examples[i]) for i in examples]
+            trajs = play(self.engine, self.tok, episodes, params, cfg.environment.max_turns, self.max_tokens,
+                         self.observations)
+            return [Sample(i, t.prompt, t.ids, t.logprobs, "\n".join(t.texts), t.reason, loss_mask=t.mask,
+                           version=version, turns=t.turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors,
+                           env_reward=t.reward) for i, t in zip(examples, trajs)]
 
         if getattr(self.engine, "concurrent", False) and len(mine) > 1:
             with ThreadPoolExecutor(len(mine), thread_name_prefix="rollout-chunk") as pool:
@@ -138,12 +170,10 @@ class RolloutManager:
         else:
             generated = [generate_chunk(c) for c in mine]
         groups, chunk_of, n_tokens = [], [], 0
-        for c, gens in zip(mine, generated):
-            n_tokens += sum(len(g.token_ids) for g in gens)
+        for c, samples in zip(mine, generated):
+            n_tokens += sum(s.trained_tokens for s in samples)
             for g_i, ex_i in enumerate(chunks[c]):
-                chunk = gens[g_i * n : (g_i + 1) * n]
-                groups.append(Group(ex_i, [Sample(ex_i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason,
-                                                  version=version) for g in chunk], round_))
+                groups.append(Group(ex_i, samples[g_i * n : (g_i + 1) * n], round_))
                 chunk_of.append(c)
         seconds = time.perf_counter() - t0
         return RolloutBatch(round_, groups, {
@@ -173,6 +203,9 @@ class RolloutManager:
         bad = 0
         for k, (s, total) in enumerate(zip(samples, totals)):
             s.components = {name: parts[name][k] for name in parts}
+            if s.env_reward is not None:  # an environment that grades its episodes adds its reward to the mix
+                s.components["environment"] = s.env_reward
+                total = total + s.env_reward if total is not None and math.isfinite(s.env_reward) else None
             if total is None:
                 if self.on_bad_reward == "error":
                     raise RewardError(f"grpo.rewards: a reward returned a non-finite value {s.components} for "
@@ -223,6 +256,8 @@ class RolloutManager:
         for name in parts:
             vals = [v for v in parts[name] if math.isfinite(v)]
             stats[f"reward/{name}"] = statistics.fmean(vals) if vals else 0.0
+        if self.environment is not None:
+            stats.update(episode_stats([s for g in groups for s in g.samples]))
         return RolloutBatch(batch.round, use, stats)
 
     def state_dict(self) -> dict[str, Any]:

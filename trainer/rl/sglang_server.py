@@ -3,13 +3,14 @@
     <sglang python> trainer/rl/sglang_server.py --parent-pid PID -- <launch_server arguments>
 
 Runs in the SGLang environment's interpreter, so it imports nothing from posttrain but the
-standard-library-only `procwatch` beside it. The server is
+standard-library-only `trainer/procwatch.py`, loaded by its path. The server is
 started in a process group of its own (by `trainer.rl.sglang`); a thread here polls PID and, once that
 process is gone (finished, crashed or SIGKILLed, so it could not stop the server itself), kills the
 whole group: the HTTP server and SGLang's scheduler and detokenizer processes. Nothing outlives the
 pipeline that started it.
 """
 
+import importlib.util
 import os
 import runpy
 import signal
@@ -17,7 +18,11 @@ import sys
 import threading
 import time
 
-from procwatch import process_gone  # trainer/procwatch.py: this script's folder is first on sys.path
+_spec = importlib.util.spec_from_file_location(
+    "posttrain_procwatch", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "procwatch.py"))
+_procwatch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_procwatch)
+process_gone = _procwatch.process_gone
 
 
 def _watch(parent_pid: int, every_s: float = 1.0) -> None:
@@ -36,7 +41,7 @@ def main() -> None:
     if len(args) < 3 or args[0] != "--parent-pid" or args[2] != "--":
         raise SystemExit("usage: sglang_server.py --parent-pid PID -- <sglang.launch_server arguments>")
     parent = int(args[1])
-    # run as a script, this file's folder (trainer/) is first on sys.path: keep its modules out of
+    # run as a script, this file's folder (trainer/rl/) is first on sys.path: keep its modules out of
     # SGLang's imports
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)

@@ -32,6 +32,12 @@ class Sample:
     components: dict[str, float] = field(default_factory=dict)
     loss_mask: list[int] | None = None  # 1 on the policy's tokens, 0 on the environment's; None: all 1
     version: int = 0               # the policy version (updates published before it) that sampled it
+    # multi-turn episodes (trainer.rl.multiturn): every turn as {"role", "text", "trained"}, the tool
+    # calls made and how many failed, and the environment's own reward when it gives one
+    turns: list[dict] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float | None = None
 
     def __post_init__(self) -> None:
         r = len(self.response_ids)

@@ -1,0 +1,164 @@
+"""Episodes of several turns through a rollout engine, token in, token out.
+
+Each episode starts from its environment's messages, rendered once by the chat template (with
+the tools: through the template where it renders them, else described in a system message). Then,
+turn after turn, the engine continues every unfinished episode's tokens; the policy's tokens are
+appended as sampled (loss mask 1, their log-probs kept), never decoded and encoded again; the
+environment reads the turn's text and answers, and its observation is appended as the template
+renders it (loss mask 0): the end of the assistant's turn the policy stopped inside (a tool call's
+end is a stop string), the observation messages, and the next assistant header.
+
+An episode ends when the environment says so (the policy answered, `max_turns`), or when the
+trajectory reaches `max_tokens` (no room for an observation and another turn); the reason is
+the sample's `finish_reason`. A turn cut by `rollout.max_response_tokens` is still the
+environment's to answer (a tool call left open is an error the policy reads).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from trainer.chat import ChatFormatError
+from trainer.generate import Generation
+from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.rl.envs import TOOL_CALL_END, TOOL_CALL_START, Episode, Tool
+
+TURN_SEED_STRIDE = 1_000_003  # seed offset between an episode batch's turns
+
+
+def tools_in_template(tok: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template renders a `tools` list itself (Qwen, Llama 3.1, SmolLM3, Hermes...)."""
+    return "tools" in (getattr(tok, "chat_template", None) or "")
+
+
+def tool_system_message(tools: list[Tool]) -> dict[str, str]:
+    """The tools described in a system message, for a template that does not render them."""
+    specs = "\n".join(json.dumps(t.schema["function"], sort_keys=True) for t in tools)
+    return {"role": "system", "content": (
+        "You may call these tools:\n" + specs + "\nTo call one, write " + TOOL_CALL_START
+        + '{"name": <tool name>, "arguments": {<argument>: <value>}}' + TOOL_CALL_END
+        + " and wait for its answer.")}
+
+
+def _ids(tok: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
+    kwargs = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(tok: PreTrainedTokenizerBase, episode: Episode) -> list[int]:
+    """The episode's opening messages with its tools, and the assistant's generation prompt."""
+    messages = list(episode.messages)
+    if not episode.tools:
+        return _ids(tok, messages, True)
+    if tools_in_template(tok):
+        return _ids(tok, messages, True, tools=[t.schema for t in episode.tools])
+    return _ids(tok, [tool_system_message(episode.tools)] + messages, True)
+
+
+class Observations:
+    """Tokens that follow a policy turn stopped inside the assistant message: its end-of-turn
+    marker, the observation messages, and the next assistant header, as the template renders them.
+
+    Found by rendering a fixed conversation with and without the observation: the tokens the
+    template adds after an assistant message's content. The template must render a shorter
+    conversation as a token prefix of a longer one (checked, as `trainer.chat` checks it)."""
+
+    PROBE = "ok"
+
+    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
+        self.tok = tok
+        base = [{"role": "user", "content": "question"}]
+        head = _ids(tok, base, True)
+        closed = _ids(tok, base + [{"role": "assistant", "content": self.PROBE}], False)
+        content = tok(self.PROBE, add_special_tokens=False)["input_ids"]
+        if closed[: len(head)] != head or closed[len(head) : len(head) + len(content)] != content:
+            raise ChatFormatError("the chat template does not render an assistant message as its generation prompt "
+                                  "followed by the message's own tokens; multi-turn rollouts need one that does")
+        self.base = base + [{"role": "assistant", "content": self.PROBE}]
+        self.closed = closed
+        self.end_of_turn = closed[len(head) + len(content):]
+
+    def __call__(self, messages: list[dict[str, str]]) -> list[int]:
+        full = _ids(self.tok, self.base + messages, True)
+        if full[: len(self.closed)] != self.closed:
+            raise ChatFormatError(f"the chat template renders the conversation before a {messages[0]['role']!r} "
+                                  "message differently once it follows; multi-turn rollouts need a template that "
+                                  "renders earlier turns the same whatever comes after them")
+        return self.end_of_turn + full[len(self.closed):]
+
+
+@dataclass
+class Trajectory:
+    """An episode being played: the response so far and what it recorded."""
+
+    episode: Episode
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)       # the policy's turns
+    turns: list[dict] = field(default_factory=list)      # every turn, for the rollout tables
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None
+    reason: str = ""
+    served_by: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.reason)
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Episode], params: SamplingParams,
+         max_turns: int, max_tokens: int, observations: Observations) -> list[Trajectory]:
+    """Every episode to its end; each turn one engine call over the unfinished ones (in order)."""
+    trajs = [Trajectory(e, prompt_ids(tok, e)) for e in episodes]
+    stop = tuple(dict.fromkeys(params.stop + (TOOL_CALL_END,)))
+    for turn in range(max_turns):
+        live = [t for t in trajs if not t.done]
+        if not live:
+            break
+        room = [max_tokens - len(t.ids) for t in live]
+        # one call a turn: the longest room any episode has left bounds this turn's tokens
+        turn_params = SamplingParams(min(params.max_new_tokens, max(room)), params.temperature, params.top_p,
+                                     seed=None if params.seed is None else params.seed + TURN_SEED_STRIDE * turn,
+                                     min_new_tokens=params.min_new_tokens if turn == 0 else 0, stop=stop)
+        gens: list[Generation] = engine.generate([t.prompt + t.ids for t in live], turn_params)
+        for t, g, left in zip(live, gens, room):
+            ids, lps = g.token_ids[:left], g.logprobs[: min(left, len(g.token_ids))]
+            t.add(ids, list(lps))
+            text = tok.decode(ids, skip_special_tokens=True)
+            t.texts.append(text)
+            t.turns.append({"role": "assistant", "text": text, "trained": True})
+            t.served_by = g.served_by or t.served_by
+            step = t.episode.step(text)
+            t.tool_calls += step.tool_calls
+            t.tool_errors += step.tool_errors
+            if step.reward is not None:
+                t.reward = step.reward
+            if step.done:
+                t.reason = step.reason or "done"
+                continue
+            if len(ids) < len(g.token_ids):
+                t.reason = "token_budget"  # the turn was cut at the trajectory's last token
+                continue
+            for m in step.observation:
+                t.turns.append({"role": m["role"], "text": m["content"], "trained": False})
+            obs = observations(step.observation)
+            if len(t.ids) + len(obs) >= max_tokens:
+                t.reason = "token_budget"  # no room for the observation and a turn after it
+                continue
+            t.add(obs, None)
+    for t in trajs:
+        if not t.done:
+            t.reason = "max_turns"
+    return trajs
