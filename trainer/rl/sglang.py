@@ -305,6 +305,8 @@ class SGLangEngine:
                   "skip_special_tokens": True}
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed + i
+            if params.stop:  # SGLang keeps the tokens that complete a stop string in output_ids, as we do
+                sp["stop"] = list(params.stop)
             return sp
 
         def run(k: int) -> list[dict]:
