@@ -38,13 +38,14 @@ def body(cfg, inputs: dict, ref, fault: dict):
             policy = load_model(path, cfg.model.dtype).to(device())
         logger.set_tags({"posttrain.answered_by": "sglang" if engine is not None else "hf generate"})
         try:
-            result = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine)
+            env = cfg.rollout.environment  # a multi-turn one: each problem an episode with its tools
+            result = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine, environment=env)
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
             seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
             if seen_rows:
                 seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}),
-                                       engine=engine)
+                                       engine=engine, environment=env)
                 storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
                 logger.log_table(seen_result.rows, "eval_seen_results.json")
                 metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),

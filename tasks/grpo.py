@@ -107,6 +107,9 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
                "grpo/final_reward_mean": last.get("reward/mean", math.nan)}
     if evals:
         metrics["grpo/last_eval_accuracy"] = evals[-1]["eval/accuracy"]
+    if "rollout/tool_calls_mean" in last:  # a multi-turn environment: the last round's tool use
+        metrics["grpo/last_tool_calls_mean"] = last["rollout/tool_calls_mean"]
+        metrics["grpo/last_tool_success_rate"] = last["rollout/tool_success_rate"]
     metrics["grpo/world_size"] = ds.world_size()
     logger.log_metrics(metrics)
     logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0

@@ -92,6 +92,26 @@ def model_content(cfg: RunConfig) -> dict[str, Any]:
     return {"pretrained": fingerprint(cfg.model.pretrained)} if cfg.model.pretrained else {}
 
 
+def _module_source(module: str) -> str | None:
+    """The fingerprint of a module's source file (None: not importable; the stage names it)."""
+    try:
+        origin = importlib.util.find_spec(module).origin
+    except (ImportError, AttributeError, ValueError):
+        origin = None
+    return fingerprint(origin) if origin and os.path.isfile(origin) else None
+
+
+def environment_content(cfg: RunConfig) -> dict[str, Any]:
+    """A multi-turn environment: its settings, and a custom one's module by its source."""
+    env = cfg.rollout.environment
+    if not env.multi_turn:
+        return {}
+    out: dict[str, Any] = {"environment": env.model_dump()}
+    if ":" in env.name:
+        out["environment_source"] = _module_source(env.name.split(":")[0])
+    return out
+
+
 def reward_content(cfg: RunConfig) -> dict[str, Any]:
     """Custom rewards by their module's source, reward models by their folder (built-in rewards are
     part of the code version)."""
@@ -104,13 +124,8 @@ def reward_content(cfg: RunConfig) -> dict[str, Any]:
         if spec.name == "reward_model":
             out[f"reward_model:{spec.path}"] = fingerprint(spec.path)
             continue
-        module = split_dotted(spec.name)[0]
-        try:
-            origin = importlib.util.find_spec(module).origin
-        except (ImportError, AttributeError, ValueError):
-            origin = None  # the stage reports an unimportable reward by name
-        out[spec.name] = fingerprint(origin) if origin and os.path.isfile(origin) else None
-    return out
+        out[spec.name] = _module_source(split_dotted(spec.name)[0])  # None: the stage names it
+    return {**out, **environment_content(cfg)}
 
 
 # ---------------------------------------------------------------- key rules (each row of tasks/stages.py has one)

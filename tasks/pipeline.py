@@ -211,4 +211,15 @@ def report_final(run: PipelineRun, results: dict) -> None:
     start, final = results["eval (sft)"], results.get("eval (grpo)") or results["eval (sft)"]
     run.report(**seen(start, "sft" if run.cfg.sft.enabled else "start"), **seen(final, "final"))
     run.report(final_accuracy=final["metrics"]["eval/accuracy"])
+    # multi-turn environments: each model's tool use on the held-out problems, and the last round's
+    for name, result in (("sft" if run.cfg.sft.enabled else "start", start), ("final", final),
+                         ("control", results.get("eval (control)"))):
+        metrics = (result or {}).get("metrics", {})
+        run.report(**{f"{name}_{k}": metrics[f"eval/{k}"] for k in TOOL_METRICS if f"eval/{k}" in metrics})
+    grpo = (results.get("grpo") or {}).get("metrics", {})
+    if "grpo/last_tool_calls_mean" in grpo:
+        run.report(rollout_tool_calls_mean=grpo["grpo/last_tool_calls_mean"])
     run.report(wall_seconds=run.elapsed())
+
+
+TOOL_METRICS = ("tool_use_rate", "tool_calls_mean", "tool_success_rate")

@@ -88,6 +88,14 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
     if "vs_control_fixed" in head:
         lines.append(f"GRPO vs control: fixed {head['vs_control_fixed']:.0f}, broke {head['vs_control_broken']:.0f} "
                      f"held-out problems, McNemar z = {head['vs_control_mcnemar_z']:.2f}")
+    tools = [(label, name) for label, name in names if f"{name}_tool_calls_mean" in head]
+    if tools:  # a multi-turn environment with tools (rollout.environment)
+        lines.append(f"{'tool use':<20}{'problems':>10}{'calls':>10}{'succeed':>10}")
+        for label, name in tools:
+            lines.append(f"{label:<20}{head[f'{name}_tool_use_rate']:>10.1%}{head[f'{name}_tool_calls_mean']:>10.2f}"
+                         f"{head[f'{name}_tool_success_rate']:>10.1%}")
+        if "rollout_tool_calls_mean" in head:
+            lines.append(f"GRPO's last round: {head['rollout_tool_calls_mean']:.2f} tool calls per episode")
     return lines
 
 

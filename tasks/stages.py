@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tasks.keys import SFT_UNKEYED, KeyRule, data_content, model_content, reward_content
+from tasks.keys import SFT_UNKEYED, KeyRule, data_content, environment_content, model_content, reward_content
 from trainer.config import RunConfig
 
 
@@ -48,7 +48,7 @@ class Stage:
         return {name: results.get(row) for name, row in self.inputs.items()}
 
 
-EVAL_KEY = KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine})
+EVAL_KEY = KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine, **environment_content(cfg)})
 
 
 def _grpo_on(cfg: RunConfig) -> bool:

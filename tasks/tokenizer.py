@@ -17,7 +17,7 @@ def body(cfg, inputs: dict, ref, fault: dict):
 
         train = load_split(inputs["data"], "train")
         texts = (m["content"] for ex in train for m in ex["messages"])
-        tok = train_bpe(texts, cfg.tokenizer.vocab_size, work / "tokenizer")
+        tok = train_bpe(texts, cfg.tokenizer.vocab_size, work / "tokenizer", cfg.tokenizer.added_tokens)
         sample = train[0]["messages"]
         ids = tok.apply_chat_template(sample, tokenize=False)
         n_tokens = len(tok(ids, add_special_tokens=False)["input_ids"])

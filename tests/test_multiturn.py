@@ -223,7 +223,7 @@ def test_a_calculator_episode_through_the_orchestrator(tiny_tokenizer):
         "so #### 24"])
     mgr = RolloutManager(cfg.rollout, data.train, tiny_tokenizer, policy, RewardMix.from_specs(cfg.grpo.rewards), 0)
     prompt_text = tiny_tokenizer.decode(mgr.generate(1, version=0).samples[0].prompt_ids)
-    assert "You may call these tools" in prompt_text and '"name": "calculator"' in prompt_text
+    assert "Tools: calculator(expression: string)" in prompt_text and "Call one as <tool_call>" in prompt_text
     policy.calls = 0
     batch = mgr.score(mgr.generate(2, version=1))
     for s in batch.samples:
@@ -265,3 +265,42 @@ def test_three_turns_on_smollm2_real_weights_and_chat_template(smollm2):
     diff = ((lp - packed.engine_logp).abs() * packed.mask).max().item()
     print(f"\nSmolLM2 three-turn trajectories: trainer vs engine log-prob max |diff| {diff:.2e}")
     assert diff < 1e-3
+
+
+def test_sft_tool_rows_and_calculator_episodes_are_the_same_tokens(tmp_path):
+    """tiny-calculator's SFT conversations (data.synthetic.tool_fraction) and the calculator
+    environment's episodes agree token for token: a policy that writes an SFT row's assistant turns
+    gets exactly the row's tokens back (the prompt, its call, the tool's answer,
+    the end-of-turn and role markers), so what SFT teaches is what RL samples."""
+    import json
+
+    from trainer.chat import encode_chat
+    from trainer.rl.envs import Calculator
+    from trainer.rl.multiturn import Observations, prompt_ids
+    from trainer.tokenizer import train_tokenizer
+
+    cfg = load_config("tiny-calculator")
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 400, "n_test": 5}), 0)
+    tok = train_tokenizer((m["content"] for ex in data.train for m in ex["messages"]), 384, tmp_path / "tok",
+                          cfg.tokenizer.added_tokens)
+    tool_rows = [ex for ex in data.train if len(ex["messages"]) == 4]
+    assert 80 < len(tool_rows) < 160  # tool_fraction 0.3 of 400
+    obs = Observations(tok)
+    env = Calculator()
+    for ex in tool_rows[:20]:
+        sft = encode_chat(tok, ex["messages"], 512).input_ids
+        episode = env.reset(ex)
+        ids = prompt_ids(tok, episode, cfg.rollout.environment.describe_tools)
+        call, final = ex["messages"][1]["content"], ex["messages"][3]["content"]
+        ids += tok(call, add_special_tokens=False)["input_ids"]  # the policy's first turn, stopped at </tool_call>
+        step = episode.step(call)
+        assert step.observation[0]["content"] == ex["messages"][2]["content"]  # the calculator agrees with the data
+        ids += obs(step.observation)
+        ids += tok(final, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert episode.step(final).reason == "answer"
+        assert ids == sft, (tok.decode(ids), tok.decode(sft))
+        assert json.loads(call[len("<tool_call>"):-len("</tool_call>")])["name"] == "calculator"
+    # the markers are one token each and stay in decoded text
+    for marker in ("<tool_call>", "</tool_call>", "<|tool|>"):
+        assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1
+    assert "<tool_call>" in tok.decode(tok("<tool_call>{}", add_special_tokens=False)["input_ids"], skip_special_tokens=True)

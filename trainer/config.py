@@ -41,6 +41,12 @@ class SyntheticData(Strict):
         description="share of training answers that show their worked steps; the rest give only "
         "'#### n', as terse answers do in real SFT data",
     )
+    tool_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="share of training answers that call the calculator tool (one call with the whole "
+        "expression, the tool's answer, then '#### n'); the prompts do not describe the tool "
+        "(rollout.environment.describe_tools=false): SFT shows it",
+    )
     held_out_fraction: float = Field(
         0.2, gt=0.0, lt=1.0,
         description="share of distinct equations (start value, operations, operands) kept out of "
@@ -80,8 +86,10 @@ class DataConfig(Strict):
     max_train: int | None = Field(None, ge=1)
     max_test: int | None = Field(None, ge=1)
     system_prompt: str | None = None
-    calculator_annotations: Literal["keep", "strip"] = Field(
-        "keep", description="GSM8K-style '<<48/2=24>>' in answers: keep them in the SFT targets, or strip them"
+    calculator_annotations: Literal["keep", "strip", "tool"] = Field(
+        "keep", description="GSM8K-style '<<48/2=24>>' in answers: keep them in the SFT targets, strip them, or "
+        "make each a calculator call (the answer up to it ends in a tool call, the tool answers, the answer "
+        "goes on): what rollout.environment.name=calculator plays"
     )
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="error: stop at the first malformed row; skip: drop and count it"
@@ -99,6 +107,8 @@ class DataConfig(Strict):
 class TokenizerConfig(Strict):
     train: bool = Field(True, description="train a BPE tokenizer (from-scratch models only)")
     vocab_size: int = Field(384, ge=64, le=200_000)
+    added_tokens: list[str] = Field(default_factory=list, description="strings kept whole, one token each, and "
+                                    "kept in decoded text (e.g. <tool_call>, </tool_call>, <|tool|>)")
 
 
 class ModelConfig(Strict):
@@ -222,6 +232,9 @@ class EnvironmentConfig(Strict):
     max_tokens: int | None = Field(None, ge=1, description="tokens after the prompt, the policy's and the "
                                    "environment's together; unset: max_response_tokens x max_turns")
     tool_timeout_s: float = Field(1.0, gt=0, description="a tool call running longer answers with an error")
+    describe_tools: bool = Field(True, description="render the tools into the prompt (through the chat template "
+                                 "when it renders tools, else as a system message); false: the policy knows its "
+                                 "tools from its SFT data, and prompts stay as the data has them")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for a custom class")
 
     @property

@@ -111,10 +111,37 @@ def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
         if len(train) >= cfg.n_train:
             continue
         stale = 0
-        if style.random() >= cfg.worked_fraction:
+        draw = style.random()
+        if draw < cfg.tool_fraction:
+            train.append(tool_example(f"syn-{len(train)}", q, equation, final))
+            continue
+        if draw >= cfg.tool_fraction + (1 - cfg.tool_fraction) * cfg.worked_fraction:
             a = f"#### {final}"
         train.append(make_example(f"syn-{len(train)}", q, a, final))
     return PreparedData(train=train, test=test)
+
+
+def expression(equation: tuple) -> str:
+    """An equation (start, (op, n), ...) as one arithmetic expression, parenthesised where needed."""
+    text = str(equation[0])
+    for op, n in equation[1:]:
+        if op == "*" and ("+" in text or "-" in text):
+            text = f"({text})"
+        text = f"{text}{op}{n}"
+    return text
+
+
+def tool_example(ex_id: str, question: str, equation: tuple, final: str) -> dict:
+    """A training conversation that uses the calculator: one call with the whole expression, the
+    tool's answer, then the final answer."""
+    import json
+
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression(equation)}})
+    messages = [{"role": "user", "content": question},
+                 {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                 {"role": "tool", "content": final},
+                 {"role": "assistant", "content": f"#### {final}"}]
+    return {"id": ex_id, "messages": messages, "answer": final}
 
 
 def make_example(ex_id: str, question: str, answer: str, final: str, system: str | None = None) -> dict:
@@ -193,12 +220,41 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, whic
     answer = row[f.answer].strip()
     if cfg.calculator_annotations == "strip":
         answer = strip_calculator(answer)
-    return make_example(ex_id, row[f.question].strip(), answer, final, cfg.system_prompt)
+    example = make_example(ex_id, row[f.question].strip(), answer, final, cfg.system_prompt)
+    if cfg.calculator_annotations == "tool":
+        example["messages"] = example["messages"][:-1] + calculator_turns(answer)
+    return example
 
 
 def strip_calculator(text: str) -> str:
     """'48/2 = <<48/2=24>>24 clips' -> '48/2 = 24 clips'."""
     return CALCULATOR_RE.sub("", text)
+
+
+def calculator_turns(answer: str) -> list[dict[str, str]]:
+    """A GSM8K answer with its calculator annotations as tool calls: '48/2 = <<48/2=24>>24 clips'
+    becomes the assistant's '48/2 = <tool_call>{...48/2...}</tool_call>', the tool's '24', and the
+    assistant's '24 clips'. The tool's answer is the calculator environment's own (what RL will
+    show); an annotation it cannot evaluate is dropped from the text instead."""
+    import json
+
+    from trainer.rl.envs import TOOL_CALL_END, TOOL_CALL_START, CalculatorError, calculate
+
+    turns: list[dict[str, str]] = []
+    text, pos = "", 0
+    for m in CALCULATOR_RE.finditer(answer):
+        text += answer[pos : m.start()]
+        pos = m.end()
+        expr = m.group(0)[2:-2].rpartition("=")[0]
+        try:
+            result = calculate(expr)
+        except CalculatorError:
+            continue
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+        turns += [{"role": "assistant", "content": f"{text}{TOOL_CALL_START}{call}{TOOL_CALL_END}"},
+                  {"role": "tool", "content": result}]
+        text = ""
+    return turns + [{"role": "assistant", "content": text + answer[pos:]}]
 
 
 def _final_answer(text: str, where: str, field_name: str) -> str:
@@ -276,5 +332,12 @@ def prepare(cfg: DataConfig, seed: int) -> PreparedData:
 
 
 def prompt_messages(example: dict[str, Any]) -> list[dict[str, str]]:
-    """The conversation up to (not including) the final assistant turn."""
-    return example["messages"][:-1]
+    """The conversation up to (not including) its first assistant turn: what a policy answers."""
+    messages = example["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return messages[:first]
+
+
+def question_of(example: dict[str, Any]) -> str:
+    """The text of the prompt's last message (the user's question)."""
+    return prompt_messages(example)[-1]["content"]

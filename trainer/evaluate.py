@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy accuracy (math-verify) with strict extraction (the last `#### n` or
 \\boxed{}, what the math reward scores) and flexible extraction (the last number in the text), format
-rate, mean response length.
+rate, mean response length. With a multi-turn environment (rollout.environment) each problem is a
+greedy episode with its tools, graded on the policy's turns; tool calls and their success are counted.
 
 Run alone: `posttrain eval --preset tiny`.
 """
@@ -17,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
-from trainer.data import prompt_messages
+from trainer.data import prompt_messages, question_of
 from trainer.generate import generate
 from trainer.progress import progress_bar
 
@@ -31,20 +32,26 @@ class EvalResult:
     seconds: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     flexible_accuracy: float = float("nan")
+    tools: dict[str, float] = field(default_factory=dict)  # multi-turn: tool calls and successes
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         return {f"{prefix}accuracy": self.accuracy, f"{prefix}flexible_accuracy": self.flexible_accuracy,
                 f"{prefix}format_rate": self.format_rate,
-                f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n)}
+                f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n),
+                **{f"{prefix}{k}": v for k, v in self.tools.items()}}
 
 
 def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
-             engine=None) -> EvalResult:
+             engine=None, environment=None) -> EvalResult:
     """Greedy answers to `examples`, from `model` in this process, or from a rollout engine (an
-    SGLang one: the same prompts, greedy, the same token limit) when `engine` is given."""
+    SGLang one: the same prompts, greedy, the same token limit) when `engine` is given. With
+    `environment` (a `trainer.config.EnvironmentConfig` naming a multi-turn one) each answer is a
+    greedy episode with the environment's tools, at most max_new_tokens a turn."""
     examples = examples[: cfg.max_examples] if cfg.max_examples else examples
-    prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     t0 = time.perf_counter()
+    if environment is not None and environment.multi_turn:
+        return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0)
+    prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     if engine is not None:
         from trainer.rl.engines import SamplingParams
 
@@ -53,14 +60,41 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
         with progress_bar("eval", total=len(prompts)) as bar:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
+    return _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)
+
+
+def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:
+    from trainer.rl.engines import HFEngine, SamplingParams
+    from trainer.rl.multiturn import Observations, play
+
+    env = environment.load()
+    engine = engine or HFEngine(model, tok, cfg.batch_size)
+    max_tokens = environment.max_tokens or cfg.max_new_tokens * environment.max_turns
+    trajs = play(engine, tok, [env.reset(ex) for ex in examples], SamplingParams(cfg.max_new_tokens, temperature=0.0),
+                 environment.max_turns, max_tokens, Observations(tok), environment.describe_tools)
+    answers = [("\n".join(t.texts), sum(t.mask), t.reason,
+                {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+                 "turns": sum(x["role"] == "assistant" for x in t.turns)}) for t in trajs]
+    result = _result(examples, answers, t0)
+    calls = sum(t.tool_calls for t in trajs)
+    errors = sum(t.tool_errors for t in trajs)
+    n = max(len(trajs), 1)
+    result.tools = {"tool_calls_mean": calls / n, "tool_success_rate": (calls - errors) / calls if calls else 0.0,
+                    "tool_use_rate": sum(t.tool_calls > 0 for t in trajs) / n,
+                    "turns_mean": sum(a[3]["turns"] for a in answers) / n}
+    return result
+
+
+def _result(examples: list[dict], answers: list[tuple[str, int, str, dict]], t0: float) -> EvalResult:
+    """Rows and scores of (text, response tokens, finish reason, extra columns) per example."""
     rows = []
-    for ex, g in zip(examples, gens):
-        ok = is_correct(g.text, ex["answer"])
-        rows.append({"id": ex["id"], "question": ex["messages"][-2]["content"], "gold": ex["answer"],
-                     "response": g.text, "predicted": extract_answer(g.text), "correct": ok,
-                     "correct_flexible": is_correct(g.text, ex["answer"], "flexible"),
-                     "format_ok": has_format(g.text), "response_tokens": len(g.token_ids),
-                     "finish_reason": g.finish_reason})
+    for ex, (text, n_tokens, reason, extra) in zip(examples, answers):
+        ok = is_correct(text, ex["answer"])
+        rows.append({"id": ex["id"], "question": question_of(ex), "gold": ex["answer"],
+                     "response": text, "predicted": extract_answer(text), "correct": ok,
+                     "correct_flexible": is_correct(text, ex["answer"], "flexible"),
+                     "format_ok": has_format(text), "response_tokens": n_tokens,
+                     "finish_reason": reason, **extra})
     n = max(len(rows), 1)
     return EvalResult(
         accuracy=sum(r["correct"] for r in rows) / n,

@@ -24,7 +24,7 @@ from transformers import get_constant_schedule_with_warmup
 from trainer import checkpoint, engine as ds
 from trainer.answers import is_correct
 from trainer.chat import encode_prompt
-from trainer.data import prompt_messages
+from trainer.data import prompt_messages, question_of
 from trainer.config import RunConfig
 from trainer.evaluate import evaluate
 from trainer.rl import losses
@@ -271,10 +271,11 @@ class GRPOTrainer:
         ecfg = self.cfg.eval.model_copy(update={"max_examples": None})
         # through the rollout engine when it is a server (SGLang): the weights it serves are this round's
         served = None if isinstance(self.engine, HFEngine) else self.engine
-        greedy = evaluate(self.ds.module, self.tok, examples, ecfg, engine=served)
+        env = self.cfg.rollout.environment
+        greedy = evaluate(self.ds.module, self.tok, examples, ecfg, engine=served, environment=env)
         metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
-                   "eval/format_rate": greedy.format_rate}
-        if g.pass_k > 1:
+                   "eval/format_rate": greedy.format_rate, **{f"eval/{k}": v for k, v in greedy.tools.items()}}
+        if g.pass_k > 1 and not env.multi_turn:  # pass@k samples single answers
             prompts = [encode_prompt(self.tok, prompt_messages(ex)) for ex in examples]
             params = SamplingParams(self.cfg.eval.max_new_tokens, self.cfg.rollout.temperature, self.cfg.rollout.top_p,
                                     seed=self.cfg.seed + 17 * self.round)
@@ -295,7 +296,7 @@ class GRPOTrainer:
         rows = []
         for s in batch.samples[:k]:
             ex = self.manager.examples[s.example_index]
-            row = {"round": self.round, "prompt": ex["messages"][-2]["content"], "response": s.text,
+            row = {"round": self.round, "prompt": question_of(ex), "response": s.text,
                    "reward": s.reward, "gold": ex["answer"]}
             if s.turns:  # a multi-turn episode: each turn, whether it is trained on, the tools' answers
                 row.update({"turns": "\n".join(f"[{t['role']}{'' if t['trained'] else ', not trained'}] {t['text']}"

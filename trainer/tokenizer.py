@@ -25,7 +25,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
+                    added_tokens: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+    """`added_tokens` become one token each after the trained vocabulary, and stay in decoded text
+    (unlike the special tokens): a tool call's markers, so that a policy's turn stops on one token
+    and the environment's tokens start on a token boundary."""
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -45,6 +49,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
         additional_special_tokens=ROLE_TOKENS,
     )
     hf.chat_template = CHAT_TEMPLATE
+    if added_tokens:
+        hf.add_tokens(list(added_tokens))
     hf.save_pretrained(str(out_dir))
     return hf
 

@@ -35,12 +35,16 @@ def tools_in_template(tok: PreTrainedTokenizerBase) -> bool:
 
 
 def tool_system_message(tools: list[Tool]) -> dict[str, str]:
-    """The tools described in a system message, for a template that does not render them."""
-    specs = "\n".join(json.dumps(t.schema["function"], sort_keys=True) for t in tools)
+    """The tools described in a system message, for a template that does not render them: each
+    as `name(argument: type, ...): description`, then how to call one."""
+    lines = []
+    for t in tools:
+        fn = t.schema["function"]
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in fn["parameters"].get("properties", {}).items())
+        lines.append(f"{fn['name']}({args}): {fn.get('description', '')}")
     return {"role": "system", "content": (
-        "You may call these tools:\n" + specs + "\nTo call one, write " + TOOL_CALL_START
-        + '{"name": <tool name>, "arguments": {<argument>: <value>}}' + TOOL_CALL_END
-        + " and wait for its answer.")}
+        "Tools: " + " ".join(lines) + " Call one as " + TOOL_CALL_START
+        + '{"name": ..., "arguments": {...}}' + TOOL_CALL_END + ".")}
 
 
 def _ids(tok: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
@@ -49,10 +53,11 @@ def _ids(tok: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: 
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_ids(tok: PreTrainedTokenizerBase, episode: Episode) -> list[int]:
-    """The episode's opening messages with its tools, and the assistant's generation prompt."""
+def prompt_ids(tok: PreTrainedTokenizerBase, episode: Episode, describe_tools: bool = True) -> list[int]:
+    """The episode's opening messages with its tools described (unless `describe_tools` is off:
+    the policy learned them in SFT), and the assistant's generation prompt."""
     messages = list(episode.messages)
-    if not episode.tools:
+    if not episode.tools or not describe_tools:
         return _ids(tok, messages, True)
     if tools_in_template(tok):
         return _ids(tok, messages, True, tools=[t.schema for t in episode.tools])
@@ -119,9 +124,10 @@ class Trajectory:
 
 
 def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Episode], params: SamplingParams,
-         max_turns: int, max_tokens: int, observations: Observations) -> list[Trajectory]:
+         max_turns: int, max_tokens: int, observations: Observations, describe_tools: bool = True,
+         ) -> list[Trajectory]:
     """Every episode to its end; each turn one engine call over the unfinished ones (in order)."""
-    trajs = [Trajectory(e, prompt_ids(tok, e)) for e in episodes]
+    trajs = [Trajectory(e, prompt_ids(tok, e, describe_tools)) for e in episodes]
     stop = tuple(dict.fromkeys(params.stop + (TOOL_CALL_END,)))
     for turn in range(max_turns):
         live = [t for t in trajs if not t.done]

@@ -159,7 +159,7 @@ class RolloutManager:
                         for i, g in zip(examples, gens)]
             episodes = [self.environment.reset(self.examples[i]) for i in examples]
             trajs = play(self.engine, self.tok, episodes, params, cfg.environment.max_turns, self.max_tokens,
-                         self.observations)
+                         self.observations, cfg.environment.describe_tools)
             return [Sample(i, t.prompt, t.ids, t.logprobs, "\n".join(t.texts), t.reason, loss_mask=t.mask,
                            version=version, turns=t.turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors,
                            env_reward=t.reward) for i, t in zip(examples, trajs)]

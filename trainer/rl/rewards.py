@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainer.answers import has_format, is_correct
+from trainer.data import prompt_messages
 from trainer.errors import InputError
 
 RewardFn = Callable[[str, dict[str, Any]], float]
@@ -72,7 +73,7 @@ class RewardModel:
 
 
 def _chat_text(tok, example: dict[str, Any], response: str) -> str:
-    msgs = example["messages"][:-1] + [{"role": "assistant", "content": response}]
+    msgs = prompt_messages(example) + [{"role": "assistant", "content": response}]
     if getattr(tok, "chat_template", None):
         return tok.apply_chat_template(msgs, tokenize=False)
     return "\n".join(m["content"] for m in msgs)
