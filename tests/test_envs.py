@@ -209,3 +209,15 @@ def test_environments_by_name_and_trl_style_classes(env_module):
 def test_a_bad_environment_spec_names_what_is_wrong(env_module, spec, message):
     with pytest.raises(EnvironmentSpecError, match=message):
         load_environment(spec)
+
+
+def test_a_bad_environment_stops_the_run_when_its_config_loads(env_module):
+    """Before any stage: the CLI loads the config first, and the environment is checked there."""
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.environment.*module 'no_such_pkg' failed to import"):
+        load_config("tiny", ["rollout.environment.name=no_such_pkg:Env"])
+    with pytest.raises(ConfigError, match="my_envs.NoReset has no reset method"):
+        load_config("tiny", ["rollout.environment.name=my_envs:NoReset"])
+    cfg = load_config("tiny", ["rollout.environment.name=my_envs:Notes", "rollout.environment.max_turns=2"])
+    assert cfg.rollout.environment.multi_turn and cfg.rollout.environment.load().max_turns == 2

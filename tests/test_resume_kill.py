@@ -107,3 +107,26 @@ def test_sigkill_then_rerun_is_exact(reference, tmp_path, fault, stage, finished
                    (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
     assert [h["round"] for h in history] == [1, 2, 3, 4, 5]
     assert [h["reward/mean"] for h in history] == [h["reward/mean"] for h in ref_history]
+
+
+# three-turn episodes (tests/test_multiturn.py's scripted environment: every turn answered with a
+# tool message until the third), through the real CLI
+MULTI_TURN = OVERRIDES + ["rollout.environment.name=tests.test_multiturn:Scripted",
+                          "rollout.environment.max_tokens=200"]
+
+
+def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path):
+    ref = tmp_path / "uninterrupted"
+    run_cli(ref, ref / "result.json", overrides=MULTI_TURN)
+    reference = json.loads((ref / "result.json").read_text())
+    history = [json.loads(x) for x in
+               (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
+    assert min(h["rollout/turns_mean"] for h in history) > 2  # the episodes really had three turns
+    killed = tmp_path / "killed"
+    code, _ = run_cli(killed, killed / "killed.json", "grpo_mid_round@3:kill", overrides=MULTI_TURN)
+    assert code == -signal.SIGKILL
+    run_cli(killed, killed / "resumed.json", overrides=MULTI_TURN)
+    result = json.loads((killed / "resumed.json").read_text())
+    assert manifest(result, "grpo")["resumed_from_round"] == 2
+    assert manifest(result, "grpo")["state_hash"] == manifest(reference, "grpo")["state_hash"]
+    assert result["headline"]["final_accuracy"] == reference["headline"]["final_accuracy"]
