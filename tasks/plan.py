@@ -101,6 +101,11 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
         notes.append(f"rollout.batch_size={r.batch_size}: a round has only {chunks} chunk(s) for {world} ranks, so "
                      f"{world - chunks} rank(s) wait while the others generate; set rollout.batch_size to at most "
                      f"{groups * r.n_samples_per_prompt // world}")
+    env = r.environment
+    if env.multi_turn:
+        lines.append(f"  episodes: {env.name}, up to {env.max_turns} policy turns and "
+                     f"{env.max_tokens or r.max_response_tokens * env.max_turns} tokens after the prompt, "
+                     f"tools {'described in the prompt' if env.describe_tools else 'known from SFT'}")
     if r.engine == "hf":
         lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
         return lines
@@ -145,7 +150,9 @@ def plan_eval(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     policy = ("the starting policy (model.pretrained)" if model == "sft" and not cfg.sft.enabled
               else f"the {model} policy")
     seen = f", and on {cfg.eval.seen_examples} training problems (seen)" if cfg.eval.seen_examples else ""
-    return [f"  greedy accuracy of {policy} on the held-out split{seen}"]
+    env = cfg.rollout.environment
+    tools = f" (greedy episodes with the {env.name} environment)" if env.multi_turn else ""
+    return [f"  greedy accuracy of {policy} on the held-out split{seen}{tools}"]
 
 
 @dataclass
