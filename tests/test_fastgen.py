@@ -26,8 +26,7 @@ from trainer.chat import encode_prompt
 from trainer.fastgen import FastDecoder, sample, unsupported
 from trainer.generate import generate
 from trainer.rl.logprobs import token_logprobs
-from trainer.rl.trajectory import pack
-from trainer.rl.trajectory import Sample
+from trainer.rl.trajectory import pack, Sample
 from trainer import kernels
 
 COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,

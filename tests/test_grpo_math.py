@@ -98,8 +98,7 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
     from tests.bench_ref import tokenizer
     from tests.test_fastgen import _model, _prompts
     from trainer.rl.logprobs import shared_prefix_logprobs, token_logprobs
-    from trainer.rl.trajectory import pack
-    from trainer.rl.trajectory import Sample
+    from trainer.rl.trajectory import pack, Sample
 
     tok = tokenizer(tmp_path / "tok")
     model = _model(kind, tok).train()

@@ -17,7 +17,7 @@ from trainer.config import load_config
 from trainer.data import synthetic
 from trainer.generate import StopStrings, generate
 from trainer.model import build_model
-from trainer.rl.engines import HFEngine, SamplingParams
+from trainer.rl.engines import HFEngine
 from trainer.rl.envs import Environment, Episode, Step
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.orchestrator import RolloutManager

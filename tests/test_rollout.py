@@ -6,13 +6,12 @@ import torch
 from trainer.config import RewardSpec, RolloutConfig, load_config
 from trainer.data import synthetic
 from trainer.generate import Generation
-from trainer.rl.logprobs import token_logprobs
-from trainer.rl.trajectory import pack
 from trainer.model import build_model
-from trainer.rl.rewards import RewardMix
 from trainer.rl.engines import HFEngine, SamplingParams
+from trainer.rl.logprobs import token_logprobs
 from trainer.rl.orchestrator import DataBuffer, RolloutManager, keep_group
-from trainer.rl.trajectory import Group, RolloutBatch, Sample
+from trainer.rl.rewards import RewardMix
+from trainer.rl.trajectory import Group, Sample, pack
 
 
 def test_buffer_epochs_and_state():

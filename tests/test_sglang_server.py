@@ -278,8 +278,7 @@ def digit_share(response: str, example: dict) -> float:
 
 
 def _trainer(tmp_path, tok, model, engine, **grpo):
-    from trainer.config import load_config
-    from trainer.config import SyntheticData
+    from trainer.config import load_config, SyntheticData
     from trainer.data import synthetic
     from trainer.grpo import GRPOTrainer
 

@@ -16,7 +16,7 @@ import torch
 
 from trainer.config import load_config
 from trainer.rl import losses
-from trainer.rl.trajectory import Group, RolloutBatch, Sample, pack, rows
+from trainer.rl.trajectory import Sample, pack, rows
 
 
 def test_pack_puts_the_loss_mask_and_sampler_logprobs_at_the_targets():

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEPS = ("rollout", "reward", "update", "eval", "checkpoint")
-Call = Callable[..., Any]  # call(step name, round, function, *args) -> the function's result
+# call(step name, round, function, *args) -> the function's result; the steps are named
+# "rollout", "reward", "update", "eval" and "checkpoint"
+Call = Callable[..., Any]
 
 
 def direct(step: str, round_: int, fn: Callable[..., Any], *args: Any) -> Any:

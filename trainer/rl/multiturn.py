@@ -16,7 +16,6 @@ environment's to answer (a tool call left open is an error the policy reads).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
