@@ -116,13 +116,14 @@ MULTI_TURN = OVERRIDES + ["rollout.environment.name=tests.test_multiturn:Scripte
 
 
 def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path):
-    ref = tmp_path / "uninterrupted"
+    ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    ref.mkdir()
+    killed.mkdir()
     run_cli(ref, ref / "result.json", overrides=MULTI_TURN)
     reference = json.loads((ref / "result.json").read_text())
     history = [json.loads(x) for x in
                (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
     assert min(h["rollout/turns_mean"] for h in history) > 2  # the episodes really had three turns
-    killed = tmp_path / "killed"
     code, _ = run_cli(killed, killed / "killed.json", "grpo_mid_round@3:kill", overrides=MULTI_TURN)
     assert code == -signal.SIGKILL
     run_cli(killed, killed / "resumed.json", overrides=MULTI_TURN)

@@ -292,6 +292,54 @@ def _trainer(tmp_path, tok, model, engine, **grpo):
     return GRPOTrainer(cfg, model, tok, data.train, data.test, tmp_path, engine=engine)
 
 
+def test_stop_strings_end_generation_at_the_same_token_as_the_hf_engine(servers, base_model, tiny_tokenizer):
+    """A stop string (a tool call's end in multi-turn rollouts) ends an SGLang sequence at the token
+    that completes it, kept, as the HF engine's decoders do: greedy, the same tokens on both."""
+    from trainer.rl.engines import HFEngine, SamplingParams
+
+    _, model = base_model
+    prompts = prompts_for(tiny_tokenizer, 6)
+    free = greedy(servers, prompts)
+    stop = tuple(dict.fromkeys(tiny_tokenizer.decode(g.token_ids[4:6]) for g in free[:3]))
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, stop=stop)
+    sg, hf = servers.generate(prompts, params), HFEngine(model, tiny_tokenizer).generate(prompts, params)
+    assert [g.token_ids for g in sg] == [g.token_ids for g in hf]
+    stopped = [g for g in sg if len(g.token_ids) < len(free[0].token_ids) and g.finish_reason == "stop"]
+    assert len(stopped) >= 3 and all(any(s in tiny_tokenizer.decode(g.token_ids) for s in stop) for g in stopped)
+    assert all(len(g.logprobs) == len(g.token_ids) for g in sg)
+
+
+def test_three_turn_episodes_on_sglang_match_the_trainers_logprobs(servers, base_model, tiny_tokenizer):
+    """Multi-turn rollouts through real SGLang CPU servers, token in, token out: each turn continues
+    the trajectory's ids, observations are appended as the template renders them, and the
+    trainer's forward over the whole trajectory gives the servers' log-probs on every policy token."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.data import synthetic
+    from trainer.rl.logprobs import token_logprobs
+    from trainer.rl.orchestrator import RolloutManager
+    from trainer.rl.rewards import RewardMix
+    from trainer.rl.trajectory import pack
+
+    _, model = base_model
+    cfg = load_config("tiny", ["rollout.prompts_per_round=3", "rollout.n_samples_per_prompt=2",
+                               "rollout.over_sample=1", "rollout.max_response_tokens=10", "rollout.temperature=0.9",
+                               "rollout.dynamic_filter=none", "rollout.environment.name=tests.test_multiturn:Scripted",
+                               "rollout.environment.max_turns=5", "rollout.environment.max_tokens=200"])
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 12, "n_test": 1}), 0)
+    mgr = RolloutManager(cfg.rollout, data.train, tiny_tokenizer, servers, RewardMix.from_specs(cfg.grpo.rewards), 0)
+    batch = mgr.score(mgr.generate(1, version=0))
+    full = [s for s in batch.samples if s.finish_reason == "answer"]
+    assert len(full) >= 3 and all(len(s.turns) == 5 for s in full)
+    packed = pack(batch.samples, [0.0] * len(batch.samples), tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=0.9)
+    diff = ((lp - packed.engine_logp).abs() * packed.mask)
+    print(f"\nSGLang three-turn trajectories: trainer vs server log-prob |diff| max {diff.max():.2e}")
+    assert packed.mask.sum() > 60 and diff.max().item() < MAX_DIFF
+
+
 def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_model, tiny_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
     from trainer.rl.engines import HFEngine
@@ -397,50 +445,3 @@ def test_launch_problems_are_named_before_anything_starts(tiny_tokenizer, tmp_pa
         finally:
             sglang.PORT_SCAN = old_scan
 
-
-def test_stop_strings_end_generation_at_the_same_token_as_the_hf_engine(servers, base_model, tiny_tokenizer):
-    """A stop string (a tool call's end in multi-turn rollouts) ends an SGLang sequence at the token
-    that completes it, kept, as the HF engine's decoders do: greedy, the same tokens on both."""
-    from trainer.rl.engines import HFEngine, SamplingParams
-
-    _, model = base_model
-    prompts = prompts_for(tiny_tokenizer, 6)
-    free = greedy(servers, prompts)
-    stop = tuple(dict.fromkeys(tiny_tokenizer.decode(g.token_ids[4:6]) for g in free[:3]))
-    params = SamplingParams(max_new_tokens=20, temperature=0.0, stop=stop)
-    sg, hf = servers.generate(prompts, params), HFEngine(model, tiny_tokenizer).generate(prompts, params)
-    assert [g.token_ids for g in sg] == [g.token_ids for g in hf]
-    stopped = [g for g in sg if len(g.token_ids) < len(free[0].token_ids) and g.finish_reason == "stop"]
-    assert len(stopped) >= 3 and all(any(s in tiny_tokenizer.decode(g.token_ids) for s in stop) for g in stopped)
-    assert all(len(g.logprobs) == len(g.token_ids) for g in sg)
-
-
-def test_three_turn_episodes_on_sglang_match_the_trainers_logprobs(servers, base_model, tiny_tokenizer):
-    """Multi-turn rollouts through real SGLang CPU servers, token in, token out: each turn continues
-    the trajectory's ids, observations are appended as the template renders them, and the
-    trainer's forward over the whole trajectory gives the servers' log-probs on every policy token."""
-    import torch
-
-    from trainer.config import load_config
-    from trainer.data import synthetic
-    from trainer.rl.logprobs import token_logprobs
-    from trainer.rl.orchestrator import RolloutManager
-    from trainer.rl.rewards import RewardMix
-    from trainer.rl.trajectory import pack
-
-    _, model = base_model
-    cfg = load_config("tiny", ["rollout.prompts_per_round=3", "rollout.n_samples_per_prompt=2",
-                               "rollout.over_sample=1", "rollout.max_response_tokens=10", "rollout.temperature=0.9",
-                               "rollout.dynamic_filter=none", "rollout.environment.name=tests.test_multiturn:Scripted",
-                               "rollout.environment.max_turns=5", "rollout.environment.max_tokens=200"])
-    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 12, "n_test": 1}), 0)
-    mgr = RolloutManager(cfg.rollout, data.train, tiny_tokenizer, servers, RewardMix.from_specs(cfg.grpo.rewards), 0)
-    batch = mgr.score(mgr.generate(1, version=0))
-    full = [s for s in batch.samples if s.finish_reason == "answer"]
-    assert len(full) >= 3 and all(len(s.turns) == 5 for s in full)
-    packed = pack(batch.samples, [0.0] * len(batch.samples), tiny_tokenizer.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=0.9)
-    diff = ((lp - packed.engine_logp).abs() * packed.mask)
-    print(f"\nSGLang three-turn trajectories: trainer vs server log-prob |diff| max {diff.max():.2e}")
-    assert packed.mask.sum() > 60 and diff.max().item() < MAX_DIFF
