@@ -42,6 +42,9 @@ def body(cfg, inputs: dict, ref, fault: dict):
             result = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine, environment=env)
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
+            if env.multi_turn:  # the same policy answering alone: what the tools are worth to it
+                alone = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine)
+                metrics["eval/accuracy_without_tools"] = alone.accuracy
             seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
             if seen_rows:
                 seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}),

@@ -222,4 +222,4 @@ def report_final(run: PipelineRun, results: dict) -> None:
     run.report(wall_seconds=run.elapsed())
 
 
-TOOL_METRICS = ("tool_use_rate", "tool_calls_mean", "tool_success_rate")
+TOOL_METRICS = ("tool_use_rate", "tool_calls_mean", "tool_success_rate", "accuracy_without_tools")

@@ -90,10 +90,13 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
                      f"held-out problems, McNemar z = {head['vs_control_mcnemar_z']:.2f}")
     tools = [(label, name) for label, name in names if f"{name}_tool_calls_mean" in head]
     if tools:  # a multi-turn environment with tools (rollout.environment)
-        lines.append(f"{'tool use':<20}{'problems':>10}{'calls':>10}{'succeed':>10}")
+        # problems that called a tool, calls per problem, calls that parsed and succeeded, and the
+        # held-out accuracy of the same policy with its tools and answering alone
+        lines.append(f"{'tool use':<20}{'problems':>10}{'calls':>10}{'succeed':>10}{'with':>10}{'without':>10}")
         for label, name in tools:
+            alone = head.get(f"{name}_accuracy_without_tools")
             lines.append(f"{label:<20}{head[f'{name}_tool_use_rate']:>10.1%}{head[f'{name}_tool_calls_mean']:>10.2f}"
-                         f"{head[f'{name}_tool_success_rate']:>10.1%}")
+                         f"{head[f'{name}_tool_success_rate']:>10.1%}{head[f'{name}_accuracy']:>10.1%}{pct(alone):>10}")
         if "rollout_tool_calls_mean" in head:
             lines.append(f"GRPO's last round: {head['rollout_tool_calls_mean']:.2f} tool calls per episode")
     return lines

@@ -234,3 +234,39 @@ def test_cli_bad_config_value(capsys):
 
     assert main(["speedrun", "--set", "sft.micro_batch_size=0"]) == 2
     assert "sft.micro_batch_size = 0" in capsys.readouterr().err
+
+
+def test_a_tool_run_reports_tool_use_through_prefect_and_mlflow(tmp_path):
+    """The tiny-calculator preset (shrunk) through the real flow: GRPO's rounds log the episodes'
+    metrics and rollout tables with each turn; the evals play greedy episodes and also answer alone;
+    the headline, the printed summary and the parent MLflow run carry the tool-use figures."""
+    from mlflow import MlflowClient
+
+    from flows.speedrun import speedrun
+    from tasks.report import accuracy_lines
+
+    overrides = SMALL + [f"artifact_root={tmp_path}", "control.enabled=true", "data.synthetic.digits=2",
+                         "rollout.environment.max_tokens=64"]
+    result = speedrun(preset="tiny-calculator", overrides=overrides)
+    grpo = next(s for s in result["stages"] if s["stage"] == "grpo")
+    history = [json.loads(x) for x in (Path(grpo["uri"]) / "history.jsonl").read_text().splitlines()]
+    for key in ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors", "rollout/tool_success_rate",
+                "rollout/staleness_mean"):
+        assert key in history[-1], key
+    evals = [s for s in result["stages"] if s["stage"] == "eval"]
+    for ev in evals:
+        assert {"eval/tool_use_rate", "eval/tool_calls_mean", "eval/accuracy_without_tools"} <= set(ev["metrics"])
+    head = result["headline"]
+    for name in ("sft", "final", "control"):
+        assert f"{name}_tool_calls_mean" in head and f"{name}_accuracy_without_tools" in head
+    assert "rollout_tool_calls_mean" in head
+    assert any(line.startswith("tool use") for line in accuracy_lines(head))
+    client = MlflowClient()
+    parent = client.get_run(result["mlflow_run_id"])
+    assert {"final_accuracy", "vs_control_mcnemar_z", "rollout_tool_calls_mean"} <= set(parent.data.metrics)
+    grpo_run = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                  "and tags.`posttrain.stage` = 'grpo'")[0]
+    table = json.loads(Path(client.download_artifacts(grpo_run.info.run_id, "rollouts/round_0002.json",
+                                                      str(tmp_path / "dl"))).read_text())
+    assert {"turns", "tool_calls", "tool_errors", "ended"} <= set(table["columns"])
+    assert all(row[table["columns"].index("turns")].startswith("[assistant] ") for row in table["data"])

