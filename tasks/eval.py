@@ -39,11 +39,12 @@ def body(cfg, inputs: dict, ref, fault: dict):
         logger.set_tags({"posttrain.answered_by": "sglang" if engine is not None else "hf generate"})
         try:
             env = cfg.rollout.environment  # a multi-turn one: each problem an episode with its tools
-            result = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine, environment=env)
+            test = load_split(data, "test")
+            result = evaluate(policy, tok, test, cfg.eval, engine=engine, environment=env)
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
             if env.multi_turn:  # the same policy answering alone: what the tools are worth to it
-                alone = evaluate(policy, tok, load_split(data, "test"), cfg.eval, engine=engine)
+                alone = evaluate(policy, tok, test, cfg.eval, engine=engine)
                 metrics["eval/accuracy_without_tools"] = alone.accuracy
             seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
             if seen_rows:

@@ -104,7 +104,7 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     env = r.environment
     if env.multi_turn:
         lines.append(f"  episodes: {env.name}, up to {env.max_turns} policy turns and "
-                     f"{env.max_tokens or r.max_response_tokens * env.max_turns} tokens after the prompt, "
+                     f"{env.token_budget(r.max_response_tokens)} tokens after the prompt, "
                      f"tools {'described in the prompt' if env.describe_tools else 'known from SFT'}")
     if r.engine == "hf":
         lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")

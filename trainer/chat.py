@@ -26,14 +26,17 @@ class Encoded:
     truncated: bool
 
 
-def _ids(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_ids(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation as the chat template renders it (with `tools` where given)."""
+    kwargs = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of a conversation followed by the assistant generation prompt."""
-    return _ids(tok, messages, add_generation_prompt=True)
+    return render_ids(tok, messages, add_generation_prompt=True)
 
 
 def _render_plan(messages: list[dict]) -> list[tuple[int, bool]]:

@@ -241,6 +241,10 @@ class EnvironmentConfig(Strict):
     def multi_turn(self) -> bool:
         return self.name != "single_turn"
 
+    def token_budget(self, per_turn: int) -> int:
+        """Tokens after the prompt an episode may hold: max_tokens, else `per_turn` x max_turns."""
+        return self.max_tokens or per_turn * self.max_turns
+
     @model_validator(mode="after")
     def _loads(self) -> "EnvironmentConfig":
         self.load()  # a spec that cannot be used stops the run before it starts, naming what is wrong

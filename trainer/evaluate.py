@@ -65,23 +65,18 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
 
 def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:
     from trainer.rl.engines import HFEngine, SamplingParams
-    from trainer.rl.multiturn import Observations, play
+    from trainer.rl.multiturn import Observations, play, tool_use
 
     env = environment.load()
     engine = engine or HFEngine(model, tok, cfg.batch_size)
-    max_tokens = environment.max_tokens or cfg.max_new_tokens * environment.max_turns
     trajs = play(engine, tok, [env.reset(ex) for ex in examples], SamplingParams(cfg.max_new_tokens, temperature=0.0),
-                 environment.max_turns, max_tokens, Observations(tok), environment.describe_tools)
+                 environment.max_turns, environment.token_budget(cfg.max_new_tokens), Observations(tok),
+                 environment.describe_tools)
     answers = [("\n".join(t.texts), sum(t.mask), t.reason,
                 {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "turns": sum(x["role"] == "assistant" for x in t.turns)}) for t in trajs]
     result = _result(examples, answers, t0)
-    calls = sum(t.tool_calls for t in trajs)
-    errors = sum(t.tool_errors for t in trajs)
-    n = max(len(trajs), 1)
-    result.tools = {"tool_calls_mean": calls / n, "tool_success_rate": (calls - errors) / calls if calls else 0.0,
-                    "tool_use_rate": sum(t.tool_calls > 0 for t in trajs) / n,
-                    "turns_mean": sum(a[3]["turns"] for a in answers) / n}
+    result.tools = tool_use(trajs)
     return result
 
 

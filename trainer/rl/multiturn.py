@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from trainer.chat import ChatFormatError
+from trainer.chat import ChatFormatError, render_ids
 from trainer.generate import Generation
 from trainer.rl.engines import RolloutEngine, SamplingParams
 from trainer.rl.envs import TOOL_CALL_END, TOOL_CALL_START, Episode, Tool
@@ -46,21 +46,15 @@ def tool_system_message(tools: list[Tool]) -> dict[str, str]:
         + '{"name": ..., "arguments": {...}}' + TOOL_CALL_END + ".")}
 
 
-def _ids(tok: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
-    kwargs = {"tools": tools} if tools else {}
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def prompt_ids(tok: PreTrainedTokenizerBase, episode: Episode, describe_tools: bool = True) -> list[int]:
     """The episode's opening messages with its tools described (unless `describe_tools` is off:
     the policy learned them in SFT), and the assistant's generation prompt."""
     messages = list(episode.messages)
     if not episode.tools or not describe_tools:
-        return _ids(tok, messages, True)
+        return render_ids(tok, messages, True)
     if tools_in_template(tok):
-        return _ids(tok, messages, True, tools=[t.schema for t in episode.tools])
-    return _ids(tok, [tool_system_message(episode.tools)] + messages, True)
+        return render_ids(tok, messages, True, tools=[t.schema for t in episode.tools])
+    return render_ids(tok, [tool_system_message(episode.tools)] + messages, True)
 
 
 class Observations:
@@ -76,8 +70,8 @@ class Observations:
     def __init__(self, tok: PreTrainedTokenizerBase) -> None:
         self.tok = tok
         base = [{"role": "user", "content": "question"}]
-        head = _ids(tok, base, True)
-        closed = _ids(tok, base + [{"role": "assistant", "content": self.PROBE}], False)
+        head = render_ids(tok, base, True)
+        closed = render_ids(tok, base + [{"role": "assistant", "content": self.PROBE}], False)
         content = tok(self.PROBE, add_special_tokens=False)["input_ids"]
         if closed[: len(head)] != head or closed[len(head) : len(head) + len(content)] != content:
             raise ChatFormatError("the chat template does not render an assistant message as its generation prompt "
@@ -87,7 +81,7 @@ class Observations:
         self.end_of_turn = closed[len(head) + len(content):]
 
     def __call__(self, messages: list[dict[str, str]]) -> list[int]:
-        full = _ids(self.tok, self.base + messages, True)
+        full = render_ids(self.tok, self.base + messages, True)
         if full[: len(self.closed)] != self.closed:
             raise ChatFormatError(f"the chat template renders the conversation before a {messages[0]['role']!r} "
                                   "message differently once it follows; multi-turn rollouts need a template that "
@@ -110,7 +104,6 @@ class Trajectory:
     tool_errors: int = 0
     reward: float | None = None
     reason: str = ""
-    served_by: str | None = None
 
     @property
     def done(self) -> bool:
@@ -120,6 +113,18 @@ class Trajectory:
         self.ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def tool_use(episodes: list) -> dict[str, float]:
+    """Turns and tool use of played episodes (trajectories or samples: anything with `turns`,
+    `tool_calls` and `tool_errors`), for the rounds' and the evals' metrics."""
+    n = max(len(episodes), 1)
+    calls = sum(e.tool_calls for e in episodes)
+    errors = sum(e.tool_errors for e in episodes)
+    return {"turns_mean": sum(sum(t["role"] == "assistant" for t in e.turns) for e in episodes) / n,
+            "tool_calls_mean": calls / n, "tool_errors": float(errors),
+            "tool_success_rate": (calls - errors) / calls if calls else 0.0,
+            "tool_use_rate": sum(e.tool_calls > 0 for e in episodes) / n}
 
 
 def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Episode], params: SamplingParams,
@@ -144,7 +149,6 @@ def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Epi
             text = tok.decode(ids, skip_special_tokens=True)
             t.texts.append(text)
             t.turns.append({"role": "assistant", "text": text, "trained": True})
-            t.served_by = g.served_by or t.served_by
             step = t.episode.step(text)
             t.tool_calls += step.tool_calls
             t.tool_errors += step.tool_errors

@@ -22,7 +22,7 @@ from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
 from trainer.rl.engines import RolloutEngine, SamplingParams
-from trainer.rl.multiturn import Observations, play
+from trainer.rl.multiturn import Observations, play, tool_use
 from trainer.rl.rewards import RewardError, RewardMix
 from trainer.rl.trajectory import Group, RolloutBatch, Sample
 
@@ -89,15 +89,8 @@ def episode_stats(samples: list[Sample]) -> dict[str, float]:
     """Per-round metrics of multi-turn episodes: turns, tool calls and errors, and how episodes ended."""
     if not samples:
         return {}
-    calls = sum(s.tool_calls for s in samples)
-    errors = sum(s.tool_errors for s in samples)
-    stats = {
-        "rollout/turns_mean": statistics.fmean(sum(t["role"] == "assistant" for t in s.turns) for s in samples),
-        "rollout/tool_calls_mean": calls / len(samples),
-        "rollout/tool_errors": float(errors),
-        "rollout/tool_success_rate": (calls - errors) / calls if calls else 0.0,
-        "rollout/observation_tokens_mean": statistics.fmean(len(s.response_ids) - s.trained_tokens for s in samples),
-    }
+    stats = {f"rollout/{k}": v for k, v in tool_use(samples).items()}
+    stats["rollout/observation_tokens_mean"] = statistics.fmean(len(s.response_ids) - s.trained_tokens for s in samples)
     for s in samples:
         key = f"rollout/episode_end/{s.finish_reason}"
         stats[key] = stats.get(key, 0.0) + 1.0
@@ -114,7 +107,7 @@ class RolloutManager:
         self._prompt_cache: dict[int, list[int]] = {}
         env = cfg.environment
         self.environment = env.load() if env.multi_turn else None
-        self.max_tokens = env.max_tokens or cfg.max_response_tokens * env.max_turns
+        self.max_tokens = env.token_budget(cfg.max_response_tokens)
         self.observations = Observations(tok) if env.multi_turn else None
 
     def _prompt(self, i: int) -> list[int]:
