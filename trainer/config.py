@@ -217,6 +217,8 @@ class SGLangConfig(Strict):
         None, ge=256, description="KV-cache size in tokens (--max-total-tokens); unset lets SGLang size it from "
         "memory, except on device=cpu, where it is 8192 (SGLang would reserve about 14 GB)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for launched servers")
+    cpus: list[int] = Field(default_factory=list, description="cores launched servers are pinned to (their "
+                            "threads included); empty: the cores this process may use")
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="a /generate or weight update taking longer fails "
@@ -256,6 +258,9 @@ class EnvironmentConfig(Strict):
         return load_environment(self.name, self.max_turns, self.tool_timeout_s, self.options)
 
 
+MAX_ASYNC_STEPS = 4  # rollout.async_steps at most: batches in flight and in each checkpoint
+
+
 class RolloutConfig(Strict):
     engine: Literal["hf", "sglang"] = Field("hf", description="hf: in-process, shares the policy's weights")
     prompts_per_round: int = Field(16, ge=1)
@@ -273,9 +278,20 @@ class RolloutConfig(Strict):
                             "(with N ranks keep it at most a round's sequences / N)")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    async_steps: int = Field(0, ge=0, description="k > 0: round r trains on samples of policy version r-1-k, "
+                             "generated while rounds r-k..r-1 update (docs/async.md); 0: generate, then update")
+    worker_threads: int = Field(1, ge=1, description="torch threads of the hf engine's rollout process "
+                                "(async_steps > 0); recorded like the trainer's, for exact replay")
+    worker_cpus: list[int] = Field(default_factory=list, description="cores the hf engine's rollout process is "
+                                   "pinned to (async_steps > 0); empty: not pinned")
 
     @model_validator(mode="after")
     def _lengths(self) -> "RolloutConfig":
+        if self.async_steps > MAX_ASYNC_STEPS:
+            raise ValueError(f"rollout.async_steps={self.async_steps}: at most {MAX_ASYNC_STEPS}; the pipeline holds "
+                             "async_steps + 1 generated batches (each checkpoint stores them), and samples more "
+                             f"than {MAX_ASYNC_STEPS} versions old are too far off-policy for the importance "
+                             "correction; lower it")
         if self.min_response_tokens > self.max_response_tokens:
             raise ValueError(f"min_response_tokens ({self.min_response_tokens}) is above max_response_tokens "
                              f"({self.max_response_tokens}); lower it or raise max_response_tokens")
@@ -394,6 +410,16 @@ class RunConfig(Strict):
                 f"{rb} samples (rollout.prompts_per_round x n_samples_per_prompt); pick a divisor"
             )
         gds = self.grpo.deepspeed
+        k = self.rollout.async_steps
+        if self.grpo.enabled and k and self.rollout.engine == "hf" and gds.world_size > 1:
+            raise ValueError(
+                f"rollout.async_steps={k} with rollout.engine=hf on {gds.world_size} ranks: the hf engine's "
+                "rollout process serves one rank, and with several ranks each generates its own share, so "
+                "generation cannot overlap the update; use rollout.engine=sglang (servers beside the ranks), "
+                "one rank (grpo.deepspeed.ranks_per_node=1), or rollout.async_steps=0")
+        if self.grpo.enabled and k >= self.grpo.rounds:
+            raise ValueError(f"rollout.async_steps={k} with grpo.rounds={self.grpo.rounds}: every round would train "
+                             "on the first policy's samples; lower async_steps below grpo.rounds")
         if self.grpo.enabled and gds.world_size > 1 and gds.zero_stage == 3:
             # ZeRO-3 gathers each weight from every rank inside every forward, so all ranks must run the
             # same forwards in step; GRPO's do not (refused for both engines rather than left to hang)

@@ -4,7 +4,9 @@ hands the round's `RolloutBatch` of trajectories (`trainer.rl.trajectory`) to th
 
 Every sample records the policy version that produced it (the number of updates published before
 its round's generation); a carried-over group trains one version later than it was sampled, which
-`rollout/staleness_mean` reports.
+`rollout/staleness_mean` reports. `plan` (which prompts) and `produce` (the samples) are separate
+steps: async rounds (`trainer.rl.async_rollout`) plan here, in round order, and produce beside
+the trainer.
 """
 
 from __future__ import annotations
@@ -98,10 +100,13 @@ def episode_stats(samples: list[Sample]) -> dict[str, float]:
 
 
 class RolloutManager:
-    def __init__(self, cfg: RolloutConfig, examples: list[dict[str, Any]], tok, engine: RolloutEngine,
-                 rewards: RewardMix, seed: int, on_bad_reward: str = "error") -> None:
+    def __init__(self, cfg: RolloutConfig, examples: list[dict[str, Any]], tok, engine: RolloutEngine | None,
+                 rewards: RewardMix | None, seed: int, on_bad_reward: str = "error") -> None:
         self.cfg, self.examples, self.tok, self.engine, self.rewards = cfg, examples, tok, engine, rewards
         self.seed, self.on_bad_reward = seed, on_bad_reward
+        # async rounds (rollout.async_steps > 0) train every group on the round it was generated for:
+        # a carried group would be one version older than the bound allows, so the surplus is dropped
+        self.carry_over = cfg.async_steps == 0
         self.buffer = DataBuffer(len(examples), seed)
         self.carry: list[Group] = []
         self._prompt_cache: dict[int, list[int]] = {}
@@ -115,12 +120,12 @@ class RolloutManager:
             self._prompt_cache[i] = encode_prompt(self.tok, prompt_messages(self.examples[i]))
         return self._prompt_cache[i]
 
-    def generate(self, round_: int, version: int) -> RolloutBatch:
-        """Generate n samples for enough prompts to fill a round after filtering (over-sampling),
-        from the policy at `version` (updates published so far)."""
+    def plan(self) -> tuple[list[int], int]:
+        """The next round's prompts (example indices) from the data buffer, enough to fill a round
+        after filtering (over-sampling) less the carried-over groups; and how many were skipped as
+        too long. Advances the buffer: plans are made in round order."""
         cfg = self.cfg
         want = max(0, groups_per_round(cfg) - len(self.carry))
-        t0 = time.perf_counter()
         indices, too_long = [], 0
         while len(indices) < want:
             for i in self.buffer.take(want - len(indices)):
@@ -131,6 +136,18 @@ class RolloutManager:
                                           "prompt is longer; raise it")
                 else:
                     indices.append(i)
+        return indices, too_long
+
+    def generate(self, round_: int, version: int) -> RolloutBatch:
+        """The round's groups from the policy at `version` (updates published so far)."""
+        indices, too_long = self.plan()
+        return self.produce(round_, version, indices, too_long)
+
+    def produce(self, round_: int, version: int, indices: list[int], too_long: int = 0) -> RolloutBatch:
+        """n samples for each planned prompt from the engine's policy (`version`), unscored. Runs
+        in the trainer's process, or beside it (`trainer.rl.async_rollout`) for async rounds."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
         # Groups are generated in chunks of up to rollout.batch_size sequences, each with its own seed,
         # and the ranks share the chunks out (chunk c on rank c % world): the samples do not depend on
         # how many ranks there are. `score` gathers every rank's groups back in chunk order. An engine
@@ -172,7 +189,7 @@ class RolloutManager:
         return RolloutBatch(round_, groups, {
             "rollout/prompts_skipped_too_long": too_long, "rollout/generated_groups": len(groups),
             "rollout/generated_tokens": n_tokens, "time/generate_seconds": seconds,
-        }, chunk_of)
+        }, chunk_of, version=version)
 
     def _gather(self, batch: RolloutBatch, bad: int) -> tuple[list[Group], int]:
         """Every rank's scored groups, in chunk order (the one-rank order); sums the per-rank counts."""
@@ -222,7 +239,7 @@ class RolloutManager:
         pool = fresh_carry + kept
         use = pool[: cfg.prompts_per_round]
         surplus = pool[cfg.prompts_per_round :]
-        self.carry = surplus[: cfg.prompts_per_round]
+        self.carry = surplus[: cfg.prompts_per_round] if self.carry_over else []
         stale += len(surplus) - len(self.carry)
         all_rewards = [s.reward for g in groups for s in g.samples]
         samples_used = [s for g in use for s in g.samples]
@@ -242,6 +259,7 @@ class RolloutManager:
             # versions between the policy that sampled and the one this round trains (round - 1)
             "rollout/staleness_mean": statistics.fmean(batch.round - 1 - s.version for s in samples_used)
             if samples_used else 0.0,
+            "rollout/staleness_max": max((batch.round - 1 - s.version for s in samples_used), default=0),
             "rollout/truncated_responses": sum(1 for s in samples_used if s.finish_reason == "length"),
             "rollout/response_length": statistics.fmean(lengths),
             "time/reward_seconds": time.perf_counter() - t0,
@@ -251,7 +269,7 @@ class RolloutManager:
             stats[f"reward/{name}"] = statistics.fmean(vals) if vals else 0.0
         if self.environment is not None:
             stats.update(episode_stats([s for g in groups for s in g.samples]))
-        return RolloutBatch(batch.round, use, stats)
+        return RolloutBatch(batch.round, use, stats, version=batch.version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffer": self.buffer.state_dict(), "carry": self.carry}
