@@ -89,6 +89,12 @@ def as_prefect_tasks(step: str, round_: int, fn, *args):
     return STEP_TASKS[step](quote(fn), round_, quote(args))
 
 
+def submit_prefect_task(step: str, round_: int, fn, *args):
+    """trainer.loop's `submit` (async rounds): the step as a Prefect task run on the flow's task
+    runner's threads, beside the steps that follow; its future's result is the step's."""
+    return STEP_TASKS[step].submit(quote(fn), round_, quote(args))
+
+
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     from trainer import checkpoint, engine as ds
 
@@ -102,7 +108,9 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     evals = [h for h in trainer.history if "eval/accuracy" in h]
     # training seconds: each round's rollouts, rewards and update (not its evals, checkpoints or
     # weight pushes), what the control's budget matches
-    train_seconds = sum(h.get(f"time/{k}_seconds", 0.0) for h in trainer.history for k in ("generate", "reward", "update"))
+    # (async rounds: the seconds the trainer waited for its batches, not the generation beside it)
+    train_seconds = sum(h.get("rollout/queue_wait_seconds", h.get("time/generate_seconds", 0.0))
+                        + h.get("time/reward_seconds", 0.0) + h.get("time/update_seconds", 0.0) for h in trainer.history)
     metrics = {"grpo/rounds": trainer.round, "grpo/seconds": trainer.elapsed(), "grpo/train_seconds": train_seconds,
                "grpo/final_reward_mean": last.get("reward/mean", math.nan)}
     if evals:
@@ -125,11 +133,15 @@ def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, a
 
     trainer = make_trainer(cfg, data, sft, work, logger)
     try:
-        loop.run_rounds(trainer, loop.direct if not as_tasks else as_prefect_tasks, fault, prefect_logger())
+        if as_tasks:
+            loop.run_rounds(trainer, as_prefect_tasks, fault, prefect_logger(), submit_prefect_task)
+        else:
+            loop.run_rounds(trainer, loop.direct, fault, prefect_logger())
         return finish(trainer, work, logger)
     finally:
-        # servers this stage launched stop however it ends (a SIGKILL is the wrapper's job)
-        trainer.engine.close()
+        # the rollout process and servers this stage launched stop however it ends (after a SIGKILL
+        # the rollout process sees its parent gone, and the servers' wrapper likewise)
+        trainer.close()
 
 
 def body(cfg, inputs: dict, ref, fault: dict):

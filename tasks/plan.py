@@ -106,6 +106,14 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
         lines.append(f"  episodes: {env.name}, up to {env.max_turns} policy turns and "
                      f"{env.token_budget(r.max_response_tokens)} tokens after the prompt, "
                      f"tools {'described in the prompt' if env.describe_tools else 'known from SFT'}")
+    if r.async_steps:
+        lines.append(f"  async rounds: round r trains on samples of policy version r-1-{r.async_steps}, generated "
+                     f"while the updates before it run (docs/async.md); the over-sampled surplus is dropped")
+    if r.engine == "hf" and r.async_steps:
+        cores = f"pinned to cores {r.worker_cpus}" if r.worker_cpus else "not pinned"
+        lines.append(f"  rollouts: HF engine in a process of its own with its own copy of the weights, "
+                     f"{r.worker_threads} thread(s), {cores}")
+        return lines
     if r.engine == "hf":
         lines.append("  rollouts: in-process HF engine on each rank (shares the policy's weights)")
         return lines

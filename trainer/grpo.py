@@ -67,6 +67,11 @@ class GRPOTrainer:
         self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size)
         self.rewards = RewardMix.from_specs(g.rewards)
         self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward)
+        # async rounds (rollout.async_steps = k): batches generated beside the update by a producer,
+        # each from the policy k versions behind the one it trains (trainer.rl.async_rollout)
+        self.async_steps = cfg.rollout.async_steps
+        self.producer = None
+        self.consumed: list[tuple[int, int]] = []  # (round, version that generated its batch), in order
         self.round = 0
         self.history: list[dict[str, float]] = []
         self.started = time.perf_counter()
@@ -81,10 +86,61 @@ class GRPOTrainer:
             self.manager.load_state_dict(state["manager"])
             self.history = state["history"]
             self.seconds_before_resume = state.get("seconds", 0.0)
+            self.consumed = [tuple(x) for x in state.get("consumed", [])]
             self.resumed_from = self.round
             log.info("grpo: resumed at round %d", self.round)
             # servers were started on the SFT weights: the next rollout must come from the checkpoint's
             self.push_weights()
+        self.last_publish = time.perf_counter()
+        if self.async_steps:
+            self._start_producer(train, None if state is None else state.get("pending"))
+
+    # -- async rounds
+    def _start_producer(self, train: list[dict], pending: dict[int, RolloutBatch] | None) -> None:
+        from trainer.rl.async_rollout import ProcessProducer, ThreadProducer
+
+        if isinstance(self.engine, HFEngine):
+            self.producer = ProcessProducer(self.cfg, train, self.tok, self.ds.module, self.cfg.seed)
+        else:
+            self.producer = ThreadProducer(self.manager)
+        if self.resumed_from is not None:
+            if pending is None:
+                self.producer.close()
+                raise checkpoint.CheckpointError(
+                    f"{self.ckpt_dir}: the checkpoint of round {self.round} holds no generated batches, so it was "
+                    f"not written by a run with rollout.async_steps={self.async_steps}; resume it with the "
+                    "async_steps it was written with, or start the stage afresh")
+            self.producer.restore(pending)
+        for r in range(self.round + 1, self._last_request() + 1):
+            if r not in self.producer.in_flight():
+                self._request(r)
+
+    def _last_request(self) -> int:
+        """The last round whose batch may be requested now: k + 1 ahead, within the schedule."""
+        return min(self.round + self.async_steps + 1, self.cfg.grpo.rounds)
+
+    def _request(self, r: int) -> None:
+        """Plan round r's prompts now (round order) and have the producer generate them from the
+        policy published last, `self.round`: with requests made as each version is published,
+        that is `version_for(r, k)`."""
+        indices, too_long = self.manager.plan()
+        self.producer.request(r, self.round, indices, too_long, self.ds.module)
+
+    def received(self, batch: RolloutBatch | None, waited: float) -> RolloutBatch:
+        """The next round's batch, taken from the producer: recorded (round, version) and timed."""
+        from trainer.rl.async_rollout import ProducerError, version_for
+
+        r = self.round + 1
+        if batch is None:
+            raise ProducerError(f"round {r}: the rollout producer closed before its batch arrived")
+        if batch.round != r or batch.version != version_for(r, self.async_steps):
+            raise ProducerError(f"round {r} received the batch of round {batch.round}, version {batch.version}; "
+                                f"the schedule says version {version_for(r, self.async_steps)}")
+        self.producer.release(r)
+        self.consumed.append((r, batch.version))
+        batch.stats["rollout/queue_wait_seconds"] = waited
+        batch.stats["rollout/version_lag"] = self.round - batch.version
+        return batch
 
     # -- schedule
     def done(self) -> bool:
@@ -105,8 +161,13 @@ class GRPOTrainer:
 
     # -- round steps
     def rollout(self) -> RolloutBatch:
-        """The next round's trajectories, sampled by the policy published last (version = round)."""
-        return self.manager.generate(self.round + 1, version=self.round)
+        """The next round's trajectories: sampled now by the policy published last (version = round),
+        or with async rounds the producer's batch for it (waiting for it when it is not ready)."""
+        if self.producer is None:
+            return self.manager.generate(self.round + 1, version=self.round)
+        t0 = time.perf_counter()
+        batch = self.producer.collect(self.round + 1)
+        return self.received(batch, time.perf_counter() - t0)
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         return self.manager.score(batch)
@@ -252,9 +313,21 @@ class GRPOTrainer:
         """Publish the round's weights (the policy version `self.round`) to the rollout engine, then
         record the round: its stats with the seconds the push took go to the history and the logger."""
         t0 = time.perf_counter()
+        if self.producer is not None and not isinstance(self.engine, HFEngine):
+            # the servers serve one version: the rounds in flight finish on the one they started with
+            self.producer.drain()
+            stats["time/drain_seconds"] = time.perf_counter() - t0
         self.push_weights()
+        if self.producer is not None and self._last_request() > self.round + self.async_steps:
+            self._request(self._last_request())  # version self.round's batch: k + 1 rounds ahead
         stats = {**stats, "time/sync_seconds": time.perf_counter() - t0}
-        stats["time/round_seconds"] = sum(stats.get(f"time/{k}_seconds", 0.0) for k in ("generate", "reward", "update", "sync"))
+        # the trainer's seconds in the round: with async rounds it waits for generation, not runs it
+        first = "rollout/queue_wait_seconds" if self.producer is not None else "time/generate_seconds"
+        stats["time/round_seconds"] = stats.get(first, 0.0) + sum(
+            stats.get(f"time/{k}_seconds", 0.0) for k in ("reward", "update", "sync"))
+        now = time.perf_counter()
+        stats["time/round_wall_seconds"] = now - self.last_publish
+        self.last_publish = now
         stats["time/grpo_elapsed"] = self.elapsed()
         self.history.append({"round": float(self.round), **stats})
         self.logger.log_metrics(stats, step=self.round)
@@ -306,8 +379,19 @@ class GRPOTrainer:
         return rows
 
     def save(self) -> None:
-        checkpoint.save(self.ds, self.ckpt_dir, self.round, {
-            "manager": self.manager.state_dict(), "history": self.history, "seconds": self.elapsed()})
+        state = {"manager": self.manager.state_dict(), "history": self.history, "seconds": self.elapsed(),
+                 "consumed": self.consumed}
+        if self.producer is not None:  # the batches generated for the next rounds, waited for
+            state["pending"] = self.producer.pending()
+        checkpoint.save(self.ds, self.ckpt_dir, self.round, state)
+
+    def close(self) -> None:
+        """Stop the rollout producer and the engine (servers this stage launched); idempotent."""
+        try:
+            if self.producer is not None:
+                self.producer.close()
+        finally:
+            self.engine.close()
 
     def export(self, out_dir: str | Path) -> None:
         ds.export_model(self.ds, self.tok, out_dir)

@@ -6,12 +6,17 @@ is `call`, which runs one named step: `direct` here, a Prefect task there.
 
     stats = run_round(trainer)                     # one round, steps called directly
     run_rounds(trainer, call=as_prefect_tasks)     # to the end of the stage's schedule
+
+With `rollout.async_steps` > 0 the rollouts come from the trainer's producer
+(`trainer.rl.async_rollout`), requested as each version is published; `run_rounds` gives each a
+rollout step when it is requested (`submit`), so the step runs while the updates before it do.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainer import faults
@@ -30,16 +35,41 @@ def direct(step: str, round_: int, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+class Deferred:
+    """A step that runs when its result is asked for: `submit` for callers without a task runner
+    (async rounds' producer does the work in its own process or thread either way)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def result(self) -> Any:
+        return self.fn(*self.args)
+
+
+def deferred(step: str, round_: int, fn: Callable[..., Any], *args: Any) -> Deferred:
+    return Deferred(fn, args)
+
+
 def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = None,
-              say: logging.Logger | None = None) -> dict[str, float]:
-    """One round; returns its recorded stats. `fault` injects the test faults of `trainer.faults`."""
+              say: logging.Logger | None = None, rollouts: dict[int, Any] | None = None,
+              follow: Callable[[], None] | None = None) -> dict[str, float]:
+    """One round; returns its recorded stats. `fault` injects the test faults of `trainer.faults`.
+    Async rounds pass `rollouts` (round -> the submitted step whose result is its batch) and
+    `follow`, which submits a rollout step for each round requested meanwhile."""
     fault = fault or {}
     say = say or log
     r = trainer.round + 1
-    batch = call("rollout", r, trainer.rollout)
+    if rollouts is None:
+        batch = call("rollout", r, trainer.rollout)
+    else:  # generated beside the previous rounds' updates: the trainer waits only for what is left
+        t0 = time.perf_counter()
+        batch = rollouts.pop(r).result()
+        batch = trainer.received(batch, time.perf_counter() - t0)
     batch = call("reward", r, trainer.score, batch)
     faults.check("grpo_mid_round", r, fault)
     stats = call("update", r, lambda b: trainer.publish(trainer.update(b)), batch)
+    if follow is not None:
+        follow()
     say.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", r,
              stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
              stats.get("rollout/groups_used", 0), stats.get("rollout/groups_filtered", 0),
@@ -58,7 +88,21 @@ def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = No
 
 
 def run_rounds(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = None,
-               say: logging.Logger | None = None) -> None:
-    """Rounds until the stage's schedule (grpo.rounds, grpo.max_seconds) is done."""
+               say: logging.Logger | None = None, submit: Call = deferred) -> None:
+    """Rounds until the stage's schedule (grpo.rounds, grpo.max_seconds) is done. With async rounds
+    every requested batch gets its rollout step from the moment it is requested (`submit`, a task
+    that runs beside the updates under Prefect), so round r + 1's rollout shows beside round r's update."""
+    if trainer.producer is None:
+        while not trainer.done():
+            run_round(trainer, call, fault, say)
+        return
+    rollouts: dict[int, Any] = {}
+
+    def follow() -> None:
+        for r in trainer.producer.in_flight():
+            if r not in rollouts:
+                rollouts[r] = submit("rollout", r, trainer.producer.collect, r)
+
+    follow()
     while not trainer.done():
-        run_round(trainer, call, fault, say)
+        run_round(trainer, call, fault, say, rollouts, follow)
