@@ -135,6 +135,8 @@ def launch_command(cfg: SGLangConfig, model_path: str, port: int, dtype: str = "
 def server_env(cfg: SGLangConfig, i: int) -> dict[str, str]:
     """The environment variables launched server i gets on top of this process's."""
     env = {"SGLANG_USE_CPU_ENGINE": "1"} if cfg.device == "cpu" else {"CUDA_VISIBLE_DEVICES": server_gpus(cfg, i)}
+    if cfg.cpus:  # the wrapper pins itself before SGLang starts, so every thread and child inherits it
+        env["POSTTRAIN_SERVER_CPUS"] = ",".join(str(c) for c in cfg.cpus)
     return {**env, **cfg.env}
 
 

@@ -46,6 +46,9 @@ def main() -> None:
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
     threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+    cpus = os.environ.get("POSTTRAIN_SERVER_CPUS")
+    if cpus:  # rollout.sglang.cpus: SGLang sizes its thread pools from the cores it may use
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     sys.argv = ["sglang.launch_server", *args[3:]]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
