@@ -173,6 +173,54 @@ def test_prefect_flow_run_completed_with_a_task_per_stage(first_run):
     assert all(t.state.is_completed() for t in tasks)
 
 
+def test_async_rounds_show_the_next_rollout_beside_the_update_in_prefect_and_log_lag_to_mlflow(first_run):
+    """rollout.async_steps=1 through the real flow: the GRPO stage only (upstream from cache); in
+    the Prefect UI the task `rollout-r{r+1}` runs while `update-r{r}` runs, and the GRPO child run
+    in MLflow has staleness, queue wait and version lag for every round."""
+    import asyncio
+
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    from flows.speedrun import speedrun
+
+    _, overrides, _ = first_run
+    heavier = ["rollout.prompts_per_round=16", "rollout.n_samples_per_prompt=8", "rollout.max_response_tokens=64",
+               "rollout.min_response_tokens=64", "grpo.micro_batch_size=64",
+               "grpo.eval_every=100", "grpo.checkpoint_every=100"]  # a checkpoint waits for the batches in flight
+    result = speedrun(preset="tiny", overrides=overrides + heavier + ["rollout.async_steps=1", "control.enabled=false"])
+    hits = {s["label"]: s["cache_hit"] for s in result["stages"]}
+    assert hits["sft"] and not hits["grpo"]
+
+    async def fetch():
+        async with get_client() as client:
+            for _ in range(60):
+                tasks = await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]])),
+                    limit=200, sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+                named = {t.name: t for t in tasks}
+                if all(f"rollout-r{r}" in named and named[f"rollout-r{r}"].end_time for r in range(1, 5)):
+                    return named
+                await asyncio.sleep(0.5)
+            return named
+
+    named = asyncio.run(fetch())
+    for r in range(1, 4):
+        rollout, update = named[f"rollout-r{r + 1}"], named[f"update-r{r}"]
+        assert rollout.state.is_completed() and update.state.is_completed()
+        assert rollout.start_time < update.end_time and rollout.end_time > update.start_time, (
+            r, rollout.start_time, rollout.end_time, update.start_time, update.end_time)
+    grpo = json.loads((Path(next(s for s in result["stages"] if s["stage"] == "grpo")["uri"]) / "manifest.json").read_text())
+    client = MlflowClient()
+    for name in ("rollout/staleness_mean", "rollout/queue_wait_seconds", "rollout/version_lag"):
+        history = sorted(client.get_metric_history(grpo["mlflow_run_id"], name), key=lambda m: m.step)
+        assert [m.step for m in history] == [1, 2, 3, 4], name
+    lag = sorted(client.get_metric_history(grpo["mlflow_run_id"], "rollout/version_lag"), key=lambda m: m.step)
+    assert [m.value for m in lag] == [0, 1, 1, 1]
+
+
 def test_rerun_is_all_cache_hits(first_run):
     from flows.speedrun import speedrun
 

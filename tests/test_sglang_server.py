@@ -277,7 +277,7 @@ def digit_share(response: str, example: dict) -> float:
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
-def _trainer(tmp_path, tok, model, engine, **grpo):
+def _trainer(tmp_path, tok, model, engine, rollout: dict | None = None, **grpo):
     from trainer.config import load_config, SyntheticData
     from trainer.data import synthetic
     from trainer.grpo import GRPOTrainer
@@ -286,7 +286,7 @@ def _trainer(tmp_path, tok, model, engine, **grpo):
                  "rollout.max_response_tokens": 16, "rollout.dynamic_filter": "none", "grpo.micro_batch_size": 16,
                  "grpo.mini_batches": 1, "grpo.lr": 3e-2, "grpo.tis_cap": None,
                  "grpo.rewards": [{"name": "tests.test_sglang_server:digit_share"}],
-                 **{f"grpo.{k}": v for k, v in grpo.items()}}
+                 **{f"grpo.{k}": v for k, v in grpo.items()}, **{f"rollout.{k}": v for k, v in (rollout or {}).items()}}
     cfg = load_config("tiny", overrides)
     data = synthetic(SyntheticData(n_train=64, n_test=8), seed=0)
     return GRPOTrainer(cfg, model, tok, data.train, data.test, tmp_path, engine=engine)
@@ -396,22 +396,88 @@ def test_refused_update_names_server_and_path_and_keeps_old_weights(servers, tin
     assert [g.token_ids for g in greedy(servers, prompts)] == [g.token_ids for g in before]
 
 
-def test_a_server_killed_mid_round_fails_the_round_quickly(servers, tiny_tokenizer):
-    """Last in this module: it kills one of the shared servers."""
-    from concurrent.futures import ThreadPoolExecutor
+def test_async_rounds_overlap_updates_and_drain_before_each_weight_update(servers, base_model, tiny_tokenizer,
+                                                                          tmp_path):
+    """async_steps=1 on two real servers: the next round generates while the trainer updates, the
+    servers load a new version only once the rounds in flight have finished (drain), and every
+    sample carries the version the schedule gives its round."""
+    import threading
 
-    from trainer.rl.engines import SamplingParams
+    from transformers import AutoModelForCausalLM
+    from trainer.loop import run_rounds
+    from trainer.rl.async_rollout import version_for
+    from trainer.rl.engines import HFEngine
 
+    path, _ = base_model
+    events: list[tuple[str, float, float]] = []  # (what, start, end)
+    lock = threading.Lock()
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                with lock:
+                    events.append((name, t0, time.perf_counter()))
+        return wrapper
+
+    generate, update_weights = servers.generate, servers.update_weights
+    servers.generate = timed("generate", generate)
+    servers.update_weights = timed("load", update_weights)
+    trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers,
+                       rollout={"async_steps": 1, "max_response_tokens": 48, "prompts_per_round": 8},
+                       rounds=5, eval_every=100, pass_k=1)
+    trainer.update = timed("update", trainer.update)
+    try:
+        run_rounds(trainer)
+        assert trainer.consumed == [(r, version_for(r, 1)) for r in range(1, 6)]
+        assert [h["rollout/staleness_max"] for h in trainer.history] == [0, 1, 1, 1, 1]
+        gens = [e for e in events if e[0] == "generate"]
+        loads = [e for e in events if e[0] == "load"]
+        updates = [e for e in events if e[0] == "update"]
+        assert len(loads) == 5 and len(updates) == 5
+
+        def overlap(a, b):
+            return min(a[2], b[2]) - max(a[1], b[1])
+
+        # drained: no generate call is in flight while a server loads weights
+        assert all(overlap(g, w) <= 0 for g in gens for w in loads)
+        # overlapped: rounds 2..5 each generated while an update ran
+        shared = sum(max(0.0, overlap(g, u)) for g in gens for u in updates)
+        print(f"\ngeneration beside the updates: {shared:.2f}s of {sum(u[2] - u[1] for u in updates):.2f}s of updates")
+        assert shared > 0.5 * sum(u[2] - u[1] for u in updates[:-1])
+        # what the servers hold at the end is the trainer's last version
+        prompts = prompts_for(tiny_tokenizer)
+        same, _, _ = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), greedy(servers, prompts))
+        assert same == len(prompts)
+    finally:
+        trainer.producer.close()
+        servers.generate, servers.update_weights = generate, update_weights
+        servers.update_weights(str(path))
+
+
+def test_a_server_killed_mid_round_fails_the_round_quickly(servers, base_model, tiny_tokenizer, tmp_path):
+    """Last in this module: it kills one of the shared servers, while an async round is in flight;
+    the trainer's next round fails within bounded time, naming the server."""
+    from transformers import AutoModelForCausalLM
+    from trainer.loop import run_round
+    from trainer.rl.async_rollout import ProducerError
+
+    path, _ = base_model
     victim = servers.servers[1]
-    prompts = prompts_for(tiny_tokenizer, 64)
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(servers.generate, prompts, SamplingParams(max_new_tokens=200, temperature=1.0))
-        time.sleep(1.5)
+    trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers,
+                       rollout={"async_steps": 1, "max_response_tokens": 200, "prompts_per_round": 16}, rounds=4)
+    try:
+        time.sleep(1.5)  # rounds 1 and 2 requested at start: in flight now
         t0 = time.perf_counter()
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        with pytest.raises(SGLangError, match=victim.url):
-            fut.result(timeout=60)
+        with pytest.raises(ProducerError, match=victim.url):
+            for _ in range(3):
+                run_round(trainer)
         seconds = time.perf_counter() - t0
+    finally:
+        trainer.producer.close()
     print(f"\nround failed {seconds:.1f}s after the server was killed")
     assert seconds < 30
 
