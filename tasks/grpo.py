@@ -64,6 +64,9 @@ def make_trainer(cfg, data: dict, sft: dict, work: Path, logger) -> GRPOTrainer:
         if engine is not None:
             engine.close()
         raise
+    if getattr(trainer.producer, "pid", None):
+        prefect_logger().info("grpo: rollout process %d started (rollout.async_steps=%d)", trainer.producer.pid,
+                              trainer.async_steps)
     if trainer.resumed_from is not None:
         prefect_logger().info("grpo: resuming from the checkpoint at round %d", trainer.resumed_from)
         logger.set_tags({"resumed_from_round": trainer.resumed_from})

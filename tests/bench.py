@@ -14,9 +14,16 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    end, no padding computed) and padded like the loop (what the training loop itself costs).
 4. The pipeline: a real `posttrain speedrun` (Prefect, MLflow on SQLite) on a small config: the
    seconds of each GRPO round spent outside the trainer, and the wall time of a fully cached re-run.
+5. Async rounds (`rollout.async_steps` 0, 1, 2): `posttrain grpo` on the tiny preset (its SFT from
+   cache after the first), with the HF engine and with an SGLang CPU server: GRPO rounds per minute
+   and generated tokens/s over rounds 2..20. Sync and async get the same two cores: the trainer
+   pinned to core 0 (one thread), the rollout process or the server to core 1; the unpinned sync
+   run (two threads, both phases) is beside them. `rollout.over_sample=1`, so that every row
+   generates the same prompts per round (async rounds drop the over-sampled surplus that sync
+   rounds carry over).
 
-Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4 and the
-larger shape.
+Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5 and
+the larger shape; `--only async` runs 5 alone.
 """
 
 from __future__ import annotations
@@ -284,14 +291,73 @@ def pipeline_overhead() -> dict:
             "cached_rerun_seconds": walls[1]}
 
 
+ASYNC_SETTINGS = ["rollout.over_sample=1", "grpo.rounds=20", "grpo.eval_every=100", "grpo.checkpoint_every=100",
+                  "grpo.pass_k=1", "eval.seen_examples=0", "control.enabled=false"]
+STANDIN = Path(__file__).resolve().parent / "sglang_cpu"  # the test-only sgl_kernel stand-in (tests/test_sglang_server.py)
+
+
+def async_rounds() -> dict:
+    """GRPO rounds per minute and generated tokens/s for async_steps 0, 1, 2, HF engine and SGLang
+    (one CPU server), pinned as the module docstring says; one `posttrain grpo` run per row."""
+    sglang = ["rollout.engine=sglang", "rollout.sglang.device=cpu", f"rollout.sglang.env={{PYTHONPATH: {STANDIN}}}"]
+    rows = []
+    for engine, extra in (("hf", []), ("sglang", sglang)):
+        core1 = "rollout.worker_cpus=[1]" if engine == "hf" else "rollout.sglang.cpus=[1]"
+        rows += [(engine, 0, False, extra), (engine, 0, True, extra + [core1]),
+                 (engine, 1, True, extra + [core1]), (engine, 2, True, extra + [core1])]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine, k, pinned, extra in rows:
+            env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "PREFECT_HOME": f"{tmp}/prefect",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            if pinned:
+                env["OMP_NUM_THREADS"] = "1"
+            cmd = [sys.executable, "-m", "flows.cli", "grpo", "--preset", "tiny", "--json", f"{tmp}/r.json",
+                   "--set", f"artifact_root={tmp}/artifacts", "--set", f"rollout.async_steps={k}",
+                   "--recompute", "grpo"]  # pinning is not in the stage's key: every row runs
+            for s in ASYNC_SETTINGS + extra:
+                cmd += ["--set", s]
+            pin = (lambda: os.sched_setaffinity(0, {0})) if pinned else None
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, preexec_fn=pin)
+            if proc.returncode != 0:
+                raise RuntimeError(f"async bench run failed ({engine}, async_steps={k}):\n{proc.stdout[-3000:]}\n"
+                                   f"{proc.stderr[-3000:]}")
+            result = json.loads(Path(f"{tmp}/r.json").read_text())
+            grpo = next(s for s in result["stages"] if s["stage"] == "grpo")
+            rounds = [json.loads(x) for x in (Path(grpo["uri"]) / "history.jsonl").read_text().splitlines()][1:]
+            wall = sum(h["time/round_wall_seconds"] for h in rounds)
+            row = {"engine": engine, "async_steps": k, "pinned": pinned, "rounds": len(rounds),
+                   "rounds_per_minute": 60 * len(rounds) / wall,
+                   "tokens_per_second": sum(h["rollout/generated_tokens"] for h in rounds) / wall,
+                   "queue_wait_seconds": statistics.fmean(h.get("rollout/queue_wait_seconds", 0.0) for h in rounds),
+                   "update_seconds": statistics.fmean(h["time/update_seconds"] for h in rounds),
+                   "generate_seconds": statistics.fmean(h["time/generate_seconds"] for h in rounds),
+                   "last_reward": rounds[-1]["reward/mean"]}
+            print(f"  {engine:<7} async_steps={k} {'pinned' if pinned else 'unpinned'}: "
+                  f"{row['rounds_per_minute']:.1f} rounds/min, {row['tokens_per_second']:,.0f} tok/s", flush=True)
+            out.append(row)
+    for r in out:
+        base = next(b for b in out if b["engine"] == r["engine"] and b["async_steps"] == 0 and b["pinned"])
+        r["vs_pinned_sync"] = r["rounds_per_minute"] / base["rounds_per_minute"]
+    return {"rows": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
+    ap.add_argument("--only", choices=["async"], help="one part alone")
     a = ap.parse_args()
     out: dict = {"machine": {"cpu": _cpu(), "threads": 2}}
     gflops = matmul_gflops()
     out["machine"]["matmul_gflops"] = gflops
     print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
+    if a.only == "async":
+        print("async rounds (posttrain grpo, tiny preset):", flush=True)
+        out["async"] = async_rounds()
+        Path("bench-results").mkdir(exist_ok=True)
+        Path("bench-results/bench-async.json").write_text(json.dumps(out, indent=2))
+        report(out)
+        return
     shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large", "smollm2"])
     print("GRPO sessions (TRL and posttrain alternating):", flush=True)
     out["grpo"] = grpo_side_by_side(shapes, {"ref": 3, "ref-kl": 1, "large": 1, "smollm2": 2}, gflops)
@@ -300,6 +366,8 @@ def main() -> None:
     if not a.quick:
         print("a real pipeline run (Prefect + MLflow), then the same command fully cached:", flush=True)
         out["pipeline"] = pipeline_overhead()
+        print("async rounds (posttrain grpo, tiny preset):", flush=True)
+        out["async"] = async_rounds()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
     report(out)
@@ -316,8 +384,9 @@ def _cpu() -> str:
 def report(out: dict) -> None:
     print()
     print(f"machine: {out['machine']['cpu']}, 2 threads, fp32 matmul {out['machine']['matmul_gflops']:.1f} GFLOP/s")
-    print(f"{'GRPO step (median)':<22}{'':>2}{'TRL':>10}{'posttrain':>11}{'ratio':>8}")
-    for shape, r in out["grpo"].items():
+    if "grpo" in out:
+        print(f"{'GRPO step (median)':<22}{'':>2}{'TRL':>10}{'posttrain':>11}{'ratio':>8}")
+    for shape, r in out.get("grpo", {}).items():
         t, p, q = r["trl"], r["posttrain"], r["ratios"]
         s = SHAPES[shape]
         what = "SmolLM2-135M-Instruct, real weights, " if s.pretrained else ""
@@ -337,17 +406,26 @@ def report(out: dict) -> None:
         print(f"  linear layers' matmuls alone (a lower bound): generation {lin['generation']:.3f}s, update "
               f"{lin['update']:.3f}s, step {lin['step']:.3f}s; targets: generation <= {goal['generation']:.3f}s "
               f"({goal['generation_speedup']:g}x TRL's tok/s), step <= {goal['step']:.3f}s ({goal['step_ratio']:g} of TRL's)")
-    s = out["sft"]
-    print(f"SFT tokens/s ({s['steps']} steps; tokens are the examples' own, padding not counted):\n"
-          f"  plain PyTorch loop (padded)   {s['plain_loop_tokens_per_second']:>8,.0f}\n"
-          f"  posttrain, padded like it     {s['posttrain_padded_tokens_per_second']:>8,.0f}  ratio {s['padded_ratio']:.2f}\n"
-          f"  posttrain as it trains        {s['posttrain_tokens_per_second']:>8,.0f}  ratio {s['ratio']:.2f} (packed)")
+    s = out.get("sft")
+    if s:
+        print(f"SFT tokens/s ({s['steps']} steps; tokens are the examples' own, padding not counted):\n"
+              f"  plain PyTorch loop (padded)   {s['plain_loop_tokens_per_second']:>8,.0f}\n"
+              f"  posttrain, padded like it     {s['posttrain_padded_tokens_per_second']:>8,.0f}  ratio {s['padded_ratio']:.2f}\n"
+              f"  posttrain as it trains        {s['posttrain_tokens_per_second']:>8,.0f}  ratio {s['ratio']:.2f} (packed)")
     if "pipeline" in out:
         p = out["pipeline"]
         print(f"pipeline: a GRPO round {p['round_seconds_in_trainer']:.3f}s in the trainer + "
               f"{p['round_seconds_outside_trainer']:.3f}s outside it (Prefect tasks, MLflow) = "
               f"{100 * p['outside_fraction']:.1f}% of the round; a fully cached re-run of the command "
               f"{p['cached_rerun_seconds']:.1f}s (first run {p['first_run_seconds']:.1f}s)")
+    if "async" in out:
+        print("async rounds, tiny preset, rounds 2-20 (pinned: trainer on core 0, rollout process or server on core 1)")
+        print(f"  {'engine':<8}{'async_steps':>12}{'cores':>10}{'rounds/min':>12}{'tok/s':>10}{'vs sync':>9}"
+              f"{'wait s':>8}{'update s':>10}")
+        for r in out["async"]["rows"]:
+            print(f"  {r['engine']:<8}{r['async_steps']:>12}{'pinned' if r['pinned'] else 'unpinned':>10}"
+                  f"{r['rounds_per_minute']:>12.1f}{r['tokens_per_second']:>10,.0f}{r['vs_pinned_sync']:>9.2f}"
+                  f"{r['queue_wait_seconds']:>8.3f}{r['update_seconds']:>10.3f}")
     print("wrote bench-results/bench.json")
 
 

@@ -207,3 +207,22 @@ def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path)
     assert [x["reward/mean"] for x in h] == [x["reward/mean"] for x in h_ref]
     assert [x["rollout/version_lag"] for x in h] == [0] + [1] * 7
     assert result["headline"]["final_accuracy"] == reference["headline"]["final_accuracy"]
+
+
+@pytest.mark.slow
+def test_a_failed_async_stage_leaves_no_rollout_process(tmp_path):
+    """An exception mid-round through the real CLI: the stage fails, and the rollout process it
+    started (its pid from the stage's log) is gone with it."""
+    import re
+
+    from tests.test_resume_kill import OVERRIDES as SMALL, run_cli
+
+    code, _ = run_cli(tmp_path, tmp_path / "failed.json", "grpo_mid_round@3:raise",
+                      overrides=SMALL + ["rollout.async_steps=1"])
+    log = (tmp_path / "failed.log").read_text()
+    assert code != 0 and "injected fault at grpo_mid_round 3" in log
+    pid = int(re.search(r"rollout process (\d+) started", log).group(1))
+    deadline = time.monotonic() + 5
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(pid)

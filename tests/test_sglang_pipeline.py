@@ -126,3 +126,21 @@ def torch_load_client_state(tag_dir: Path) -> dict:
         if isinstance(blob, dict) and "manager" in blob:
             return blob
     raise AssertionError(f"no client state in {tag_dir}: {[f.name for f in tag_dir.iterdir()]}")
+
+
+def test_async_rounds_on_two_ranks_failed_then_resumed_train_each_batch_once(tmp_path):
+    """async_steps=1 with two DeepSpeed ranks sharing the task's SGLang server: failed after round
+    2's update (its checkpoint not written), the re-run resumes from round 1's checkpoint with the
+    batches it held, and trains rounds 2 and 3 once each, from the scheduled versions."""
+    overrides = OVERRIDES + ["rollout.async_steps=1", "grpo.deepspeed.ranks_per_node=2", "rollout.batch_size=8"]
+    code = _run_cli(tmp_path, tmp_path / "killed.json", "grpo_after_update@2:raise", overrides=overrides)[0]
+    assert code != 0
+    assert_no_server_left(within_s=15)
+    _run_cli(tmp_path, tmp_path / "result.json", overrides=overrides)
+    assert_no_server_left(within_s=5)
+    m = grpo_manifest(json.loads((tmp_path / "result.json").read_text()))
+    assert m["resumed_from_round"] == 1 and m["metrics"]["grpo/world_size"] == 2
+    history = [json.loads(x) for x in (Path(m["uri"]) / "history.jsonl").read_text().splitlines()]
+    assert [h["round"] for h in history] == [1, 2, 3]
+    assert [h["rollout/version_lag"] for h in history] == [0, 1, 1]
+    assert all(h["rollout/staleness_max"] <= 1 for h in history)
