@@ -90,6 +90,22 @@ def test_an_async_run_is_reproducible_and_resumes_exactly(tiny_tokenizer, tmp_pa
     assert [h["reward/mean"] for h in resumed.history] == [h["reward/mean"] for h in full.history]
 
 
+def test_raising_grpo_rounds_continues_an_async_run_exactly(tiny_tokenizer, tmp_path):
+    """The last checkpoint of a 4-round async stage holds the batches of rounds 5 and 6 (generated
+    past the schedule), so the same stage asked for 6 rounds ends on the 6-round run's weights."""
+    full = _run(_cfg(1), tiny_tokenizer, tmp_path / "full")
+    short = _trainer(_cfg(1, "grpo.rounds=4"), tiny_tokenizer, tmp_path / "extended")
+    try:
+        run_rounds(short)
+        short.save()  # what the stage's finish() does at its last round
+        assert short.producer.in_flight() == [5, 6]
+    finally:
+        short.close()
+    longer = _run(_cfg(1), tiny_tokenizer, tmp_path / "extended")
+    assert longer.resumed_from == 4 and longer.consumed == full.consumed
+    assert longer.state_hash() == full.state_hash()
+
+
 def test_a_sync_checkpoint_is_not_resumed_async(tiny_tokenizer, tmp_path):
     _run(_cfg(0, "grpo.rounds=6"), tiny_tokenizer, tmp_path, stop_after=3)
     with pytest.raises(Exception, match="async_steps=1"):

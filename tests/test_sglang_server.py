@@ -451,6 +451,7 @@ def test_async_rounds_overlap_updates_and_drain_before_each_weight_update(server
         prompts = prompts_for(tiny_tokenizer)
         same, _, _ = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), greedy(servers, prompts))
         assert same == len(prompts)
+        trainer.producer.drain()  # the rounds requested past the schedule, before the base weights return
     finally:
         trainer.producer.close()
         servers.generate, servers.update_weights = generate, update_weights
@@ -467,15 +468,17 @@ def test_a_server_killed_mid_round_fails_the_round_quickly(servers, base_model, 
     path, _ = base_model
     victim = servers.servers[1]
     trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers,
-                       rollout={"async_steps": 1, "max_response_tokens": 200, "prompts_per_round": 16}, rounds=4)
+                       rollout={"async_steps": 1, "max_response_tokens": 120, "prompts_per_round": 16}, rounds=4)
     try:
         time.sleep(1.5)  # rounds 1 and 2 requested at start: in flight now
         t0 = time.perf_counter()
         os.killpg(victim.proc.pid, signal.SIGKILL)
-        with pytest.raises(ProducerError, match=victim.url):
+        assert trainer.producer.in_flight() == [1, 2] and not trainer.producer.results.done  # mid-generation
+        with pytest.raises(ProducerError, match=victim.url) as err:
             for _ in range(3):
                 run_round(trainer)
         seconds = time.perf_counter() - t0
+        assert "answered 4" not in str(err.value)  # the kill, not a refused request
     finally:
         trainer.producer.close()
     print(f"\nround failed {seconds:.1f}s after the server was killed")

@@ -116,8 +116,10 @@ class GRPOTrainer:
                 self._request(r)
 
     def _last_request(self) -> int:
-        """The last round whose batch may be requested now: k + 1 ahead, within the schedule."""
-        return min(self.round + self.async_steps + 1, self.cfg.grpo.rounds)
+        """The last round whose batch may be requested now: k + 1 ahead. Past grpo.rounds too: the
+        stage's last checkpoint then holds the batches a longer run would train next, so raising
+        grpo.rounds later continues exactly where an uninterrupted longer run would be."""
+        return self.round + self.async_steps + 1
 
     def _request(self, r: int) -> None:
         """Plan round r's prompts now (round order) and have the producer generate them from the
@@ -318,7 +320,7 @@ class GRPOTrainer:
             self.producer.drain()
             stats["time/drain_seconds"] = time.perf_counter() - t0
         self.push_weights()
-        if self.producer is not None and self._last_request() > self.round + self.async_steps:
+        if self.producer is not None:
             self._request(self._last_request())  # version self.round's batch: k + 1 rounds ahead
         stats = {**stats, "time/sync_seconds": time.perf_counter() - t0}
         # the trainer's seconds in the round: with async rounds it waits for generation, not runs it
