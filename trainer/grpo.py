@@ -128,20 +128,25 @@ class GRPOTrainer:
         indices, too_long = self.manager.plan()
         self.producer.request(r, self.round, indices, too_long, self.ds.module)
 
-    def received(self, batch: RolloutBatch | None, waited: float) -> RolloutBatch:
-        """The next round's batch, taken from the producer: recorded (round, version) and timed."""
+    def take(self, fetch) -> RolloutBatch:
+        """The next round's batch from the producer (`fetch()` returns it, waiting while it generates),
+        checked against the schedule, recorded as consumed and timed."""
         from trainer.rl.async_rollout import ProducerError, version_for
 
-        r = self.round + 1
+        r, t0 = self.round + 1, time.perf_counter()
+        batch = fetch()
+        waited = time.perf_counter() - t0
         if batch is None:
             raise ProducerError(f"round {r}: the rollout producer closed before its batch arrived")
-        if batch.round != r or batch.version != version_for(r, self.async_steps):
-            raise ProducerError(f"round {r} received the batch of round {batch.round}, version {batch.version}; "
-                                f"the schedule says version {version_for(r, self.async_steps)}")
+        version = version_for(r, self.async_steps)
+        found = sorted({s.version for s in batch.samples})
+        if batch.round != r or found != [version]:
+            raise ProducerError(f"round {r} received the batch of round {batch.round}, versions {found}; "
+                                f"the schedule says version {version}")
         self.producer.release(r)
-        self.consumed.append((r, batch.version))
+        self.consumed.append((r, version))
         batch.stats["rollout/queue_wait_seconds"] = waited
-        batch.stats["rollout/version_lag"] = self.round - batch.version
+        batch.stats["rollout/version_lag"] = self.round - version
         return batch
 
     # -- schedule
@@ -167,9 +172,7 @@ class GRPOTrainer:
         or with async rounds the producer's batch for it (waiting for it when it is not ready)."""
         if self.producer is None:
             return self.manager.generate(self.round + 1, version=self.round)
-        t0 = time.perf_counter()
-        batch = self.producer.collect(self.round + 1)
-        return self.received(batch, time.perf_counter() - t0)
+        return self.take(lambda: self.producer.collect(self.round + 1))
 
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         return self.manager.score(batch)
@@ -315,9 +318,8 @@ class GRPOTrainer:
         """Publish the round's weights (the policy version `self.round`) to the rollout engine, then
         record the round: its stats with the seconds the push took go to the history and the logger."""
         t0 = time.perf_counter()
-        if self.producer is not None and not isinstance(self.engine, HFEngine):
-            # the servers serve one version: the rounds in flight finish on the one they started with
-            self.producer.drain()
+        if self.producer is not None:
+            self.producer.drain()  # servers serve one version: the rounds in flight finish on theirs
             stats["time/drain_seconds"] = time.perf_counter() - t0
         self.push_weights()
         if self.producer is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainer import faults
@@ -62,9 +61,7 @@ def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = No
     if rollouts is None:
         batch = call("rollout", r, trainer.rollout)
     else:  # generated beside the previous rounds' updates: the trainer waits only for what is left
-        t0 = time.perf_counter()
-        batch = rollouts.pop(r).result()
-        batch = trainer.received(batch, time.perf_counter() - t0)
+        batch = trainer.take(rollouts.pop(r).result)
     batch = call("reward", r, trainer.score, batch)
     faults.check("grpo_mid_round", r, fault)
     stats = call("update", r, lambda b: trainer.publish(trainer.update(b)), batch)

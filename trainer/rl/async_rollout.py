@@ -151,9 +151,8 @@ class _Producer:
             self.results.requested.append(r)
 
     def drain(self) -> None:
-        """Wait until every requested round is generated."""
-        for r in self.in_flight():
-            self.results.wait(r, self._alive)
+        """Wait until every requested round is generated: before the engine loads other weights."""
+        self.pending()
 
     def close(self) -> None:
         with self.results.cond:
@@ -267,6 +266,9 @@ class ProcessProducer(_Producer):
             return (f"the rollout process (pid {self.pid}) exited with code {self.proc.exitcode} with rounds "
                     f"{self.in_flight()} in flight (killed, or out of memory?)")
         return None
+
+    def drain(self) -> None:
+        pass  # its own copy of the weights, replaced between requests: nothing in flight to wait for
 
     def request(self, r: int, version: int, indices: list[int], too_long: int, module: torch.nn.Module) -> None:
         """Generate round r from `module`'s current weights, which are policy `version`."""

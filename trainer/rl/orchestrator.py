@@ -189,7 +189,7 @@ class RolloutManager:
         return RolloutBatch(round_, groups, {
             "rollout/prompts_skipped_too_long": too_long, "rollout/generated_groups": len(groups),
             "rollout/generated_tokens": n_tokens, "time/generate_seconds": seconds,
-        }, chunk_of, version=version)
+        }, chunk_of)
 
     def _gather(self, batch: RolloutBatch, bad: int) -> tuple[list[Group], int]:
         """Every rank's scored groups, in chunk order (the one-rank order); sums the per-rank counts."""
@@ -269,7 +269,7 @@ class RolloutManager:
             stats[f"reward/{name}"] = statistics.fmean(vals) if vals else 0.0
         if self.environment is not None:
             stats.update(episode_stats([s for g in groups for s in g.samples]))
-        return RolloutBatch(batch.round, use, stats, version=batch.version)
+        return RolloutBatch(batch.round, use, stats)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffer": self.buffer.state_dict(), "carry": self.carry}

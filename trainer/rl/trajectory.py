@@ -72,7 +72,6 @@ class RolloutBatch:
     groups: list[Group]
     stats: dict[str, float] = field(default_factory=dict)
     chunks: list[int] = field(default_factory=list)  # each group's generation chunk (see the orchestrator)
-    version: int | None = None  # the policy version that generated the round's fresh groups
 
     @property
     def samples(self) -> list[Sample]:
