@@ -85,24 +85,62 @@ def _fuzz(n: int, seed: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_check_returns_within_a_second_whatever_the_answer():
-    """A reward must never hang a round: each call returns within 1 s (math-verify's work is in a
-    process killed past CHECK_SECONDS), an answer that cannot be checked scores as wrong, and the
-    checker still answers ordinary questions afterwards."""
+def test_every_check_is_bounded_by_the_kill_time_plus_a_restart_whatever_the_answer():
+    """A reward must never hang a round. What a check may take is CHECK_SECONDS once a ready
+    checker has the question (math-verify's work is in a process killed past it), plus that kill,
+    plus, after a kill, the rest of a replacement's start; the test checks each part against what
+    it stands for, with margins that hold on a machine several times slower, never the sum against
+    a second. An answer that cannot be checked scores as wrong, and the checker still answers
+    ordinary questions afterwards."""
     import time
 
+    from trainer.answers import CHECK_SECONDS, _checker
+
     assert is_correct("#### \\frac{14}{2}", "7")  # warm: a checker's first start is not an answer's time
-    slow = []
+    t0 = time.monotonic()  # what one checker's start costs on this machine, now
+    probe = type(_checker)()
+    assert probe.verify("\\frac{1}{2}", "0.5")
+    start_cost = time.monotonic() - t0
+    probe.close()
+    killed, over = 0, []
     for answer in HOSTILE + _fuzz(40, 0):
         for response in (f"x\n#### {answer}", f"so \\boxed{{{answer}}}"):
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             result = is_correct(response, "42")
-            seconds = time.perf_counter() - t0
-            if seconds > 1.0:
-                slow.append((answer, round(seconds, 2)))
+            seconds = time.monotonic() - t0
             assert result in (True, False)
-    assert not slow, slow
+            part = dict(_checker.last) if _checker.last else {"start": 0.0, "check": 0.0, "kill": 0.0}
+            _checker.last = {}
+            killed += part["kill"] > 0
+            # the check itself: the select deadline, whatever the machine (0.5 s: scheduling on a loaded one)
+            if part["check"] > CHECK_SECONDS + 0.5 or part["kill"] > 2.0:
+                over.append((answer, "check", part))
+            # waiting for a ready checker: part of one start, never more (3x and 2 s: load moves it)
+            if part["start"] > 3 * start_cost + 2.0:
+                over.append((answer, "start", part, start_cost))
+            # nothing else in the call takes time of its own
+            if seconds - sum(part.values()) > 0.5:
+                over.append((answer, "rest", seconds, part))
+    assert not over, over
+    assert killed >= 10  # the hostile answers did run into the kill (else this tested nothing)
     assert is_correct("#### \\frac{14}{2}", "7") and is_correct("#### 7", "7") and not is_correct("#### 8", "7")
+
+
+@pytest.mark.parametrize("name,make", [
+    ("many final lines", lambda n: "#### 1\n" * n),
+    ("hashes, no newline", lambda n: "#" * (4 * n)),
+    ("an unclosed box", lambda n: "\\boxed{" + "{" * n),
+    ("boxes in boxes", lambda n: "\\boxed{" * n + "}" * n),
+    ("numbers", lambda n: "1,2.3 -4 " * n),
+])
+def test_extracting_an_answer_is_linear_in_the_response(name, make):
+    """Strict and flexible extraction, and the format check, on what a policy could write."""
+    from tests.growth import assert_linear
+
+    def extract(text):
+        extract_answer(text), extract_answer(text, "flexible"), has_format(text), is_correct(text, "7")
+
+    assert_linear(extract, make, 2000, f"answer extraction on {name}")
 
 
 def test_labelled_gsm8k_solutions_are_scored_correct():

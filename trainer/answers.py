@@ -4,6 +4,12 @@ Checking is bounded in time for any string a policy can write: plain integers ar
 and everything that needs math-verify (whose sympy evaluation of `9**9**9` or `2^2^2^2^2^2` runs
 for hours in C, where no signal reaches it) goes to a child process that is killed past
 CHECK_SECONDS; an answer that could not be checked in time scores as wrong, with a warning.
+
+So one check takes at most CHECK_SECONDS once a ready checker has the question, plus the kill of
+an overrunning one, plus, when the checker before it was killed and the spare has not finished
+starting, the rest of that start (importing sympy: about 0.5 s on a fast quiet machine, more on a
+slow or loaded one; never more than START_SECONDS). `_Checker.last` holds that split for the
+latest check. Extraction is linear in the response's length.
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ class _Checker:
     this process (SIGKILL on the parent's death, EOF on their input) and are capped in memory."""
 
     def __init__(self) -> None:
+        self.last: dict[str, float] = {}  # the latest check's seconds: waiting for a ready child, the check, a kill
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.spare: subprocess.Popen | None = None
@@ -156,8 +163,12 @@ class _Checker:
 
     def verify(self, pred: str, gold: str) -> bool:
         with self.lock:
+            self.last = {"start": 0.0, "check": 0.0, "kill": 0.0}
             for _ in range(2):  # a child found dead when asked (EOF on its input) is replaced once
+                t0 = time.monotonic()
                 proc = self._worker()
+                t1 = time.monotonic()
+                self.last["start"] += t1 - t0
                 if proc is None:
                     log.warning("the answer checker's process did not start within %.0fs; %r scored as wrong",
                                 START_SECONDS, pred[:60])
@@ -169,11 +180,14 @@ class _Checker:
                     self.proc = None
                     continue
                 answer = self._read_line(proc, time.monotonic() + CHECK_SECONDS)
+                t2 = time.monotonic()
+                self.last["check"] = t2 - t1
                 if answer in ("1\n", "0\n"):
                     return answer == "1\n"
                 overran = proc.poll() is None
                 self._kill(proc)
                 self.proc = None
+                self.last["kill"] = time.monotonic() - t2
                 log.warning("answer %r %s while checked against %r; scored as wrong", pred[:60],
                             f"ran past {CHECK_SECONDS}s" if overran else "ended the checker's process (memory cap)",
                             gold[:60])

@@ -79,7 +79,7 @@ class StopStrings:
     def end(self, tokens: list[int]) -> int | None:
         """Tokens up to and including the one that completes the first stop string; None if none does."""
         for n in range(1, len(tokens) + 1):
-            if self(tokens[:n]):
+            if self(tokens[max(0, n - self.window):n]):  # the window only: linear in the tokens
                 return n
         return None
 
