@@ -57,7 +57,7 @@ def print_summary(result: dict, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tasks.common import tracking_uri
+    from tasks.tracking import tracking_uri
 
     console = Console()
     table = Table(title="posttrain summary")
@@ -105,7 +105,7 @@ def print_summary(result: dict, seconds: float) -> None:
 def compare(args) -> int:
     from mlflow import MlflowClient
 
-    from tasks.common import tracking_uri
+    from tasks.tracking import tracking_uri
     from tasks.report import compare as compare_runs
 
     client = MlflowClient(tracking_uri=tracking_uri())
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args)
     try:
         cfg = load_config(args.preset, args.overrides)  # fail fast, before any server starts
+        from trainer.rl.envs import check_environment
+
+        check_environment(cfg.rollout.environment)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.common import prefect_logger, run_launched
+from tasks.runner import run_launched
+from tasks.tracking import prefect_logger
 from tasks.sft import model_dir, train_and_export
 
 

@@ -21,7 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from tasks.common import prefect_logger, run_launched
+from tasks.runner import run_launched
+from tasks.tracking import prefect_logger
 from tasks.prepare_data import load_split
 from tasks.sft import model_dir
 

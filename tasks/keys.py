@@ -6,6 +6,9 @@ pretrained model folder, a custom reward's module, a reward-model folder). Field
 how or where the work runs (timeouts, ports, server addresses, logging and checkpoint cadence) are
 left out, so changing them reuses the result.
 
+Each row of the stage table (tasks/stages.py) holds its `KeyRule`; the functions here compute keys
+from the rule they are given, and never read the table (only the table imports this module).
+
 GRPO's round count is left out of its folder's key: asking for more rounds continues from the
 last checkpoint in that folder instead of training again from SFT. Its result key (what
 downstream stages and the manifest carry) still counts the rounds.
@@ -128,7 +131,7 @@ def reward_content(cfg: RunConfig) -> dict[str, Any]:
     return {**out, **environment_content(cfg)}
 
 
-# ---------------------------------------------------------------- key rules (each row of tasks/stages.py has one)
+# ---------------------------------------------------------------- key rules (each row of tasks/stages.py holds one)
 
 @dataclass(frozen=True)
 class KeyRule:
@@ -144,22 +147,8 @@ SFT_UNKEYED = {
     "sft.deepspeed.timeout_s": "how long the launch may take",
 }
 
-def rules() -> dict[str, KeyRule]:
-    """Each stage kind's rule, from the stage table (tasks/stages.py)."""
-    from tasks.stages import STAGES
-
-    return {s.kind: s.key for s in STAGES}
-
-
-def rule_for(stage: str) -> KeyRule:
-    from tasks.stages import of_kind
-
-    return of_kind(stage.split(" ")[0]).key  # "eval (grpo)" follows eval's rule
-
-
-def keyed_config(cfg: RunConfig, stage: str) -> dict[str, Any]:
-    """The stage's config sections without the fields that do not change its result."""
-    rule = rule_for(stage)
+def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
+    """The rule's config sections without the fields that do not change the stage's result."""
     out = {s: cfg.to_dict()[s] for s in rule.sections}
     for dotted in rule.unkeyed:
         *parents, leaf = dotted.split(".")
@@ -174,21 +163,21 @@ def _hash(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stage_key(cfg: RunConfig, stage: str, inputs: dict[str, dict | None]) -> str:
-    """The key of the stage's folder."""
+def stage_key(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict[str, dict | None]) -> str:
+    """The key of the stage's folder (`stage`: its kind, `rule`: its row's key rule)."""
     return _hash({
         "stage": stage,
-        "config": keyed_config(cfg, stage),
-        "content": rule_for(stage).content(cfg),
+        "config": keyed_config(cfg, rule),
+        "content": rule.content(cfg),
         "seed": cfg.seed,
         "inputs": {k: (v or {}).get("key") for k, v in sorted(inputs.items())},
         "code": code_version(),
     })
 
 
-def extent(cfg: RunConfig, stage: str) -> int | None:
-    """The value of the stage's `extends` field (GRPO: its rounds), else None."""
-    dotted = rule_for(stage).extends
+def extent(cfg: RunConfig, rule: KeyRule) -> int | None:
+    """The value of the rule's `extends` field (GRPO: its rounds), else None."""
+    dotted = rule.extends
     if dotted is None:
         return None
     value: Any = cfg
@@ -197,9 +186,9 @@ def extent(cfg: RunConfig, stage: str) -> int | None:
     return int(value)
 
 
-def result_key(cfg: RunConfig, stage: str, folder_key: str) -> str:
+def result_key(cfg: RunConfig, rule: KeyRule, folder_key: str) -> str:
     """The key of the stage's result: its folder's key, plus its extent where it has one."""
-    n = extent(cfg, stage)
+    n = extent(cfg, rule)
     return folder_key if n is None else _hash({"folder": folder_key, "extent": n})
 
 
@@ -211,20 +200,20 @@ class Resolved:
     continues_from: int | None  # a committed result of a smaller extent that this run extends
 
 
-def resolve(cfg: RunConfig, stage: str, inputs: dict[str, dict | None]) -> Resolved:
+def resolve(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict[str, dict | None]) -> Resolved:
     """Where the stage's result lives and whether it is there.
 
     For a stage that extends (GRPO): the folder of its key holds one result of some round count.
     The same count is a hit; fewer done there are continued in place; more done there means this
     shorter run gets a folder of its own (named by its result key)."""
-    folder_key = stage_key(cfg, stage, inputs)
-    key = result_key(cfg, stage, folder_key)
+    folder_key = stage_key(cfg, stage, rule, inputs)
+    key = result_key(cfg, rule, folder_key)
     folder = storage.join(cfg.artifact_root, stage, folder_key)
     manifest = storage.read_manifest(folder)
     if manifest is None or manifest.get("key") == key:
         return Resolved(folder, key, manifest, None)
     done = manifest.get("extent")
-    wanted = extent(cfg, stage)
+    wanted = extent(cfg, rule)
     if done is not None and wanted is not None and done < wanted:
         return Resolved(folder, key, None, int(done))
     folder = storage.join(cfg.artifact_root, stage, key)

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from tasks.common import MlflowLogger, TrackingRef, mlflow_client, prefect_logger, tracking_uri
+from tasks.tracking import MlflowLogger, TrackingRef, mlflow_client, prefect_logger, tracking_uri
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -84,7 +84,7 @@ def mlflow_ui_urls(experiment_id: str, run_id: str | None = None, ui: str | None
     """The MLflow UI's runs table of an experiment, and a run's page: under `ui`, else the tracking
     server when MLFLOW_TRACKING_URI is one, else where `make serve` (and `mlflow ui`) listen by default.
     The experiment's own page opens on MLflow's GenAI overview; the table is one path further."""
-    from tasks.common import tracking_uri
+    from tasks.tracking import tracking_uri
 
     uri = tracking_uri()
     base = (ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")).rstrip("/")
@@ -154,7 +154,7 @@ def run_row(stage, cfg: RunConfig, results: dict[str, dict | None], ref: Trackin
     """One row of tasks/stages.py's table, from the results of the rows before it: a Prefect task
     of its own (a row whose steps are tasks, GRPO's, runs in the flow itself)."""
     from tasks import stages
-    from tasks.common import run_stage
+    from tasks.runner import run_stage
 
     inputs = stage.inputs_from(results)
     compute = stages.load(stage.body)(cfg, inputs, ref, fault)

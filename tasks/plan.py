@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.common import scratch_root, work_dir_for
+from tasks.results import scratch_root, work_dir_for
 from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
@@ -199,13 +199,13 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
             continue
         inputs = row.inputs_from(results)
         try:
-            where = resolve(cfg, row.kind, inputs)
+            where = resolve(cfg, row.kind, row.key, inputs)
             key, folder = where.key, where.folder
             state = ("cached" if where.manifest is not None else
                      f"will continue from {where.continues_from}" if where.continues_from is not None else "will run")
         except Exception:  # an unreachable S3 root, a missing file: reported above
-            folder_key = stage_key(cfg, row.kind, inputs)
-            key, folder, state = (result_key(cfg, row.kind, folder_key), storage.join(cfg.artifact_root, row.kind,
+            folder_key = stage_key(cfg, row.kind, row.key, inputs)
+            key, folder, state = (result_key(cfg, row.key, folder_key), storage.join(cfg.artifact_root, row.kind,
                                                                                       folder_key), "will run")
         results[row.name] = {"key": key}
         keys[row.name] = key

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = spec["inputs"]
     logger = NullLogger()
     if rank == 0 and spec.get("mlflow"):
-        from tasks.common import MlflowLogger, mlflow_client
+        from tasks.tracking import MlflowLogger, mlflow_client
 
         logger = MlflowLogger(mlflow_client(spec["mlflow"]["tracking_uri"]), spec["mlflow"]["run_id"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks import lease
-from tasks.common import prefect_logger
+from tasks.tracking import prefect_logger
 from trainer import storage
 
 COMPARED = ("final_accuracy", "final_flexible_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tasks.common import run_launched
+from tasks.runner import run_launched
 from tasks.prepare_data import load_split
 from tasks.tokenizer import tokenizer_dir
 from trainer import storage

@@ -7,7 +7,7 @@ else is derived from this table, so adding a stage is adding a row:
 - the speedrun flow and a flow and CLI command per `command` (flows/speedrun.py, flows/cli.py):
   they run the rows in order, each from its inputs' results, up to the command's row;
 - `--recompute` choices, and what a recompute takes with it (every row downstream of it);
-- the cache keys (tasks/keys.py: `rule_for`);
+- the cache keys (each row holds its `KeyRule`; tasks/keys.py computes a key from it);
 - the dry run (tasks/plan.py), which resolves each row's folder from the same inputs;
 - which body a rank launched by the DeepSpeed launcher runs (tasks/rank_main.py).
 
@@ -102,6 +102,16 @@ def row(name: str) -> Stage:
         if s.name == name:
             return s
     raise KeyError(f"no stage {name!r} in tasks/stages.py; the stages are {[s.name for s in STAGES]}")
+
+
+def rules() -> dict[str, KeyRule]:
+    """Each stage kind's key rule."""
+    return {s.kind: s.key for s in STAGES}
+
+
+def rule_for(stage: str) -> KeyRule:
+    """The key rule of a kind or row name ("eval (grpo)" follows eval's rule)."""
+    return of_kind(stage.split(" ")[0]).key
 
 
 def kinds() -> list[str]:

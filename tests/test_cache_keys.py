@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.keys import resolve, rules, stage_key
+from tasks.keys import resolve, stage_key
+from tasks.stages import rule_for, rules
 from trainer import storage
 from trainer.config import load_config
 
 GSM8K = Path(__file__).parent / "data" / "gsm8k"
 INPUTS = {"data": {"key": "d"}, "sft": {"key": "s"}, "tokenizer": {"key": "t"}}
+GRPO = rule_for("grpo")
 
 # a different value for every field the table leaves out
 UNKEYED_CHANGES = {
@@ -40,7 +42,7 @@ KEYED_CHANGES = [("prepare_data", "data.calculator_annotations=strip"), ("prepar
 
 
 def key(stage: str, *overrides: str) -> str:
-    return stage_key(load_config("tiny", list(overrides)), stage, INPUTS)
+    return stage_key(load_config("tiny", list(overrides)), stage, rule_for(stage), INPUTS)
 
 
 def test_the_table_names_only_real_fields():
@@ -114,16 +116,16 @@ def test_a_reward_model_folder_is_keyed_by_content(tmp_path):
 
 def test_rounds_resolve_to_a_hit_a_continuation_or_a_folder_of_their_own(tmp_path):
     cfg4 = load_config("tiny", [f"artifact_root={tmp_path}", "grpo.rounds=4"])
-    where = resolve(cfg4, "grpo", INPUTS)
+    where = resolve(cfg4, "grpo", GRPO, INPUTS)
     assert where.manifest is None and where.continues_from is None
     storage.commit_manifest(where.folder, {"stage": "grpo", "key": where.key, "extent": 4})
-    assert resolve(cfg4, "grpo", INPUTS).manifest is not None  # the same rounds: a hit
+    assert resolve(cfg4, "grpo", GRPO, INPUTS).manifest is not None  # the same rounds: a hit
     cfg6 = load_config("tiny", [f"artifact_root={tmp_path}", "grpo.rounds=6"])
-    more = resolve(cfg6, "grpo", INPUTS)
+    more = resolve(cfg6, "grpo", GRPO, INPUTS)
     assert (more.folder, more.manifest, more.continues_from) == (where.folder, None, 4)
     assert more.key != where.key  # downstream stages see a different result
     cfg2 = load_config("tiny", [f"artifact_root={tmp_path}", "grpo.rounds=2"])
-    fewer = resolve(cfg2, "grpo", INPUTS)
+    fewer = resolve(cfg2, "grpo", GRPO, INPUTS)
     assert fewer.folder != where.folder and fewer.manifest is None and fewer.continues_from is None
 
 

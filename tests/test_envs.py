@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from trainer.rl.envs import (Calculator, CalculatorError, EnvironmentSpecError, SingleTurn, Tool, ToolCall,
-                             ToolEnvironment, calculate, load_environment, parse_tool_calls)
+from tests.growth import assert_linear
+from trainer.rl.envs import Calculator, EnvironmentSpecError, SingleTurn, Tool, ToolEnvironment, load_environment
+from trainer.rl.tools import CalculatorError, ToolCall, calculate, parse_tool_calls
 
 EXAMPLE = {"id": "p1", "answer": "84",
            "messages": [{"role": "user", "content": "What is (3+4)*12?"}, {"role": "assistant", "content": "84"}]}
@@ -58,9 +59,22 @@ def test_tool_calls_are_parsed_and_every_malformed_one_is_an_error():
         assert len(out) == 1 and isinstance(out[0], str) and message in out[0], (text[:40], out)
     many = parse_tool_calls(ok * 6)
     assert sum(isinstance(c, ToolCall) for c in many) == 4 and "at most 4" in many[-1]
-    t0 = time.perf_counter()
-    parse_tool_calls("<tool_call>" * 5000 + "{" * 5000)  # pathological text: linear, not a hang
-    assert time.perf_counter() - t0 < 2.0
+    nested = parse_tool_calls("<tool_call>" + "[" * 1990 + "</tool_call>")  # deeper than json's decoder goes
+    assert len(nested) == 1 and "not JSON" in nested[0]
+
+
+@pytest.mark.parametrize("name,make", [
+    ("unclosed openings", lambda n: "<tool_call>" * n + "{" * n),
+    ("openings, one close at the end", lambda n: "<tool_call>" * n + "</tool_call>"),
+    ("closes only", lambda n: "</tool_call>" * n),
+    ("long bodies", lambda n: ('<tool_call>{"name": "calculator", "arguments": {"expression": "'
+                               + "1+" * n + '1"}}</tool_call>') * 8),
+    ("calls and text", lambda n: ("say <tool_call>{}</tool_call> " * n)),
+])
+def test_parsing_tool_calls_is_linear_in_the_text(name, make):
+    """Whatever a policy writes is parsed in time linear in its length (the earlier regex was
+    quadratic on repeated unclosed openings: 6 s for 8,000 of them on a slow machine)."""
+    assert_linear(parse_tool_calls, make, 1000, f"parse_tool_calls on {name}")
 
 
 def call(name, **arguments):
@@ -211,13 +225,38 @@ def test_a_bad_environment_spec_names_what_is_wrong(env_module, spec, message):
         load_environment(spec)
 
 
-def test_a_bad_environment_stops_the_run_when_its_config_loads(env_module):
-    """Before any stage: the CLI loads the config first, and the environment is checked there."""
+def test_a_bad_environment_stops_the_run_before_any_stage(env_module, capsys):
+    """The config checks the name's shape; the CLI (and the flows, through the same call) build the
+    environment once right after the config loads, before a server or a stage starts."""
+    from flows.cli import main
     from trainer.config import ConfigError, load_config
+    from trainer.rl.envs import check_environment, environment_of
 
+    with pytest.raises(ConfigError, match="rollout.environment.name='calculater': use"):
+        load_config("tiny", ["rollout.environment.name=calculater"])
+    cfg = load_config("tiny", ["rollout.environment.name=no_such_pkg:Env"])  # a well-formed name loads ...
     with pytest.raises(ConfigError, match="rollout.environment.*module 'no_such_pkg' failed to import"):
-        load_config("tiny", ["rollout.environment.name=no_such_pkg:Env"])
-    with pytest.raises(ConfigError, match="my_envs.NoReset has no reset method"):
-        load_config("tiny", ["rollout.environment.name=my_envs:NoReset"])
+        check_environment(cfg.rollout.environment)  # ... and stops here
+    assert main(["grpo", "--preset", "tiny", "--dry-run", "--set", "rollout.environment.name=my_envs:NoReset"]) == 2
+    assert "my_envs.NoReset has no reset method" in capsys.readouterr().err
     cfg = load_config("tiny", ["rollout.environment.name=my_envs:Notes", "rollout.environment.max_turns=2"])
-    assert cfg.rollout.environment.multi_turn and cfg.rollout.environment.load().max_turns == 2
+    check_environment(cfg.rollout.environment)
+    assert cfg.rollout.environment.multi_turn and environment_of(cfg.rollout.environment).max_turns == 2
+
+
+def test_the_configs_builtin_environments_are_the_ones_built():
+    from trainer.config import BUILTIN_ENVIRONMENTS
+    from trainer.rl.envs import BUILTIN
+
+    assert sorted(BUILTIN_ENVIRONMENTS) == sorted(BUILTIN)
+
+
+def test_finding_a_stop_string_is_linear_in_the_tokens(tiny_tokenizer):
+    """The HF path cuts a generation at the token that completes a stop string; looking for it
+    decodes a window of tokens per position, never the whole prefix."""
+    from trainer.generate import StopStrings
+
+    stops = StopStrings(tiny_tokenizer, ("</tool_call>", "####"))
+    ids = tiny_tokenizer.encode("3 + 4 = 7 and 12 apples ")
+    assert stops.end(ids * 3 + tiny_tokenizer.encode("#### 7")) is not None
+    assert_linear(stops.end, lambda n: (ids * n)[:n], 200, "StopStrings.end")

@@ -153,7 +153,7 @@ def test_mlflow_artifacts_on_s3(s3):
     import s3fs
     from mlflow import MlflowClient
 
-    from tasks.common import MlflowLogger
+    from tasks.tracking import MlflowLogger
     from tasks.pipeline import experiment_id
 
     client = MlflowClient()

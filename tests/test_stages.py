@@ -59,7 +59,8 @@ def test_the_table_is_what_the_commands_keys_and_recompute_choices_come_from():
 
 def test_a_stage_added_to_the_table_appears_everywhere(with_shout, tmp_path):
     from flows.cli import _parser
-    from tasks.keys import rule_for, rules, stage_key
+    from tasks.keys import stage_key
+    from tasks.stages import rule_for, rules
     from tasks.plan import walk
     from trainer.config import load_config
 
@@ -70,7 +71,7 @@ def test_a_stage_added_to_the_table_appears_everywhere(with_shout, tmp_path):
     cfg = load_config("tiny", SMALL + [f"artifact_root={tmp_path}"])
     plan = walk(cfg, "shout")
     assert list(plan.keys) == ["prepare_data", "shout"]
-    assert plan.keys["shout"] == stage_key(cfg, "shout", {"data": {"key": plan.keys["prepare_data"]}})
+    assert plan.keys["shout"] == stage_key(cfg, "shout", SHOUT.key, {"data": {"key": plan.keys["prepare_data"]}})
     assert any(line.startswith("shout ") and "(will run)" in line for line in plan.lines), plan.lines
     assert f"  shouts the first training question of {plan.keys['prepare_data']}" in plan.lines
     assert "shout" in [s.name for s in stages.until(None)]

@@ -3,6 +3,8 @@
 Every model rejects unknown keys. `load_config(preset, overrides)` is the one entry point: it
 reads the preset (a name under `configs/` or a path), applies dotted `key=value` overrides, and
 validates the result, raising `ConfigError` that lists every problem with its field, value and fix.
+A custom environment class is imported and checked where the run starts
+(`trainer.rl.envs.check_environment`), not here: this module imports nothing of the rest of posttrain.
 """
 
 from __future__ import annotations
@@ -225,6 +227,9 @@ class SGLangConfig(Strict):
                                      "the round, naming the server")
 
 
+BUILTIN_ENVIRONMENTS = ("calculator", "single_turn")  # built by trainer/rl/envs.py (a test checks the two agree)
+
+
 class EnvironmentConfig(Strict):
     """What a rollout is an episode of (trainer/rl/envs.py): one answer, or turns with tools."""
 
@@ -248,14 +253,14 @@ class EnvironmentConfig(Strict):
         return self.max_tokens or per_turn * self.max_turns
 
     @model_validator(mode="after")
-    def _loads(self) -> "EnvironmentConfig":
-        self.load()  # a spec that cannot be used stops the run before it starts, naming what is wrong
+    def _named(self) -> "EnvironmentConfig":
+        # The name's shape only: importing a custom class and checking it is trainer/rl/envs.py's
+        # `check_environment`, which the CLI and the flows call once the config has loaded.
+        module, sep, attr = self.name.partition(":")
+        if self.name not in BUILTIN_ENVIRONMENTS and not (sep and module and attr):
+            raise ValueError(f"rollout.environment.name={self.name!r}: use {list(BUILTIN_ENVIRONMENTS)} or "
+                             "'package.module:Class'")
         return self
-
-    def load(self):
-        from trainer.rl.envs import load_environment
-
-        return load_environment(self.name, self.max_turns, self.tool_timeout_s, self.options)
 
 
 MAX_ASYNC_STEPS = 4  # rollout.async_steps at most: batches in flight and in each checkpoint

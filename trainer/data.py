@@ -238,7 +238,7 @@ def calculator_turns(answer: str) -> list[dict[str, str]]:
     show); an annotation it cannot evaluate is dropped from the text instead."""
     import json
 
-    from trainer.rl.envs import TOOL_CALL_END, TOOL_CALL_START, CalculatorError, calculate
+    from trainer.rl.tools import TOOL_CALL_END, TOOL_CALL_START, CalculatorError, calculate
 
     turns: list[dict[str, str]] = []
     text, pos = "", 0

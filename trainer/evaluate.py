@@ -65,9 +65,10 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
 
 def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:
     from trainer.rl.engines import HFEngine, SamplingParams
+    from trainer.rl.envs import environment_of
     from trainer.rl.multiturn import Observations, play, tool_use
 
-    env = environment.load()
+    env = environment_of(environment)
     engine = engine or HFEngine(model, tok, cfg.batch_size)
     trajs = play(engine, tok, [env.reset(ex) for ex in examples], SamplingParams(cfg.max_new_tokens, temperature=0.0),
                  environment.max_turns, environment.token_budget(cfg.max_new_tokens), Observations(tok),

@@ -11,7 +11,7 @@ without decoding and re-encoding the policy's own.
 Tools are typed Python functions; their JSON schema comes from the signature and the Google-style
 docstring (`transformers.utils.get_json_schema`, what `apply_chat_template(tools=...)` takes).
 Calls are written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes /
-Qwen format most chat templates with tools render).
+Qwen format most chat templates with tools render); trainer/rl/tools.py parses them and holds the calculator.
 
 Built in: `single_turn` (one answer, graded by the configured rewards) and `calculator` (a safe
 arithmetic evaluator: no `eval`, bounded operand sizes and exponents, exact fractions). Custom:
@@ -25,24 +25,17 @@ policy reads as the tool's answer, counted in `Step.tool_errors`.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
-import json
-import operator
-import re
 import threading
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable
 
+from trainer.config import ConfigError, EnvironmentConfig
 from trainer.data import prompt_messages
 from trainer.errors import InputError
+from trainer.rl.tools import calculator, parse_tool_calls
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_CALL = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.S)
-MAX_CALLS_PER_TURN = 4
-MAX_CALL_CHARS = 2000  # a call's JSON; longer is an error, not parsed
 MAX_RESULT_CHARS = 500  # a tool's answer is cut here (the policy reads it as tokens)
 
 
@@ -51,12 +44,6 @@ class EnvironmentSpecError(InputError):
 
 
 # ---------------------------------------------------------------- records
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
 
 @dataclass
 class Step:
@@ -153,38 +140,6 @@ class Tool:
         return str(box.get("value"))[:MAX_RESULT_CHARS], False
 
 
-def parse_tool_calls(text: str) -> list[ToolCall | str]:
-    """The tool calls in a policy turn, in order; each one that cannot be used is an error string."""
-    out: list[ToolCall | str] = []
-    for m in TOOL_CALL.finditer(text):
-        body = m.group(1).strip()
-        if len(out) >= MAX_CALLS_PER_TURN:
-            out.append(f"error: at most {MAX_CALLS_PER_TURN} tool calls a turn")
-            break
-        if len(body) > MAX_CALL_CHARS:
-            out.append(f"error: a tool call is at most {MAX_CALL_CHARS} characters")
-            continue
-        try:
-            call = json.loads(body)
-        except ValueError as exc:
-            out.append(f"error: the tool call is not JSON ({exc.args[0][:80]})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            out.append('error: a tool call is {"name": ..., "arguments": {...}}')
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):  # some templates write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except ValueError:
-                pass
-        out.append(ToolCall(call["name"], args))
-    # an opening tag the turn never closed (the engine stops on the closing one, or ran out of tokens)
-    if text.count(TOOL_CALL_START) > text.count(TOOL_CALL_END):
-        out.append("error: the tool call is not closed with " + TOOL_CALL_END)
-    return out
-
-
 class ToolEpisode(Episode):
     """Tools answered until the policy writes a turn without a call (its answer) or `max_turns`."""
 
@@ -245,72 +200,6 @@ class ToolEnvironment(Environment):
         return ToolEpisode(prompt_messages(example), self.tools, self.max_turns, self.tool_timeout_s)
 
 
-# -- the calculator
-
-MAX_EXPRESSION_CHARS = 200
-MAX_DIGITS = 30     # an operand or result with more digits (numerator or denominator) is refused
-MAX_EXPONENT = 64
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
-class CalculatorError(ValueError):
-    pass
-
-
-def _bounded(x: Fraction) -> Fraction:
-    if len(str(abs(x.numerator))) > MAX_DIGITS or len(str(x.denominator)) > MAX_DIGITS:
-        raise CalculatorError(f"a number has more than {MAX_DIGITS} digits")
-    return x
-
-
-def _eval(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _bounded(Fraction(str(node.value)))
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow):
-            # checked before computing: 10 ** 10 ** 9 must not start
-            if right.denominator != 1 or abs(right) > MAX_EXPONENT:
-                raise CalculatorError(f"exponents are whole numbers up to {MAX_EXPONENT}")
-            if left == 0 and right < 0:
-                raise CalculatorError("division by zero")
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
-            raise CalculatorError("division by zero")
-        return _bounded(Fraction(_BINARY[type(node.op)](left, right)))
-    raise CalculatorError("only numbers, + - * / // % ** and parentheses")
-
-
-def calculate(expression: str) -> str:
-    """The exact value of an arithmetic expression: an integer, or a decimal rounded to 6 places."""
-    text = expression.strip().replace(",", "").replace("×", "*").replace("÷", "/").replace("^", "**")
-    if not text or len(text) > MAX_EXPRESSION_CHARS:
-        raise CalculatorError(f"an expression is 1 to {MAX_EXPRESSION_CHARS} characters")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        raise CalculatorError(f"cannot read {expression[:40]!r} as arithmetic") from None
-    value = _eval(tree)
-    if value.denominator == 1:
-        return str(value.numerator)
-    return f"{float(value):.6f}".rstrip("0").rstrip(".")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression exactly.
-
-    Args:
-        expression: numbers with + - * / // % ** and parentheses, e.g. "48/2" or "(3+4)*12".
-    """
-    return calculate(expression)
-
-
 class Calculator(ToolEnvironment):
     """A calculator tool beside the row's prompt; the configured rewards grade the final answer."""
 
@@ -355,20 +244,22 @@ class TRLStyleEnvironment(Environment):
 
 # ---------------------------------------------------------------- by name
 
-BUILTIN = ("calculator", "single_turn")
+# name -> (max_turns, tool_timeout_s) -> the environment; trainer.config.BUILTIN_ENVIRONMENTS lists these names
+BUILTIN: dict[str, Callable[[int, float], Environment]] = {
+    "calculator": lambda max_turns, tool_timeout_s: Calculator(max_turns, tool_timeout_s),
+    "single_turn": lambda max_turns, tool_timeout_s: SingleTurn(),
+}
 
 
 def load_environment(spec: str, max_turns: int = 4, tool_timeout_s: float = 1.0,
                      options: dict[str, Any] | None = None) -> Environment:
     """`single_turn`, `calculator`, or `package.module:Class` (an `Environment` subclass, built with
     `options`; or a TRL-style class); checked before the run starts."""
-    if spec == "single_turn":
-        return SingleTurn()
-    if spec == "calculator":
-        return Calculator(max_turns, tool_timeout_s)
+    if spec in BUILTIN:
+        return BUILTIN[spec](max_turns, tool_timeout_s)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: use {list(BUILTIN)} or 'package.module:Class'")
+        raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: use {sorted(BUILTIN)} or 'package.module:Class'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -386,3 +277,17 @@ def load_environment(spec: str, max_turns: int = 4, tool_timeout_s: float = 1.0,
             raise EnvironmentSpecError(f"rollout.environment.name={spec!r}: {attr}(**rollout.environment.options) "
                                        f"failed: {exc}") from None
     return TRLStyleEnvironment(cls, max_turns, tool_timeout_s)
+
+
+def environment_of(cfg: EnvironmentConfig) -> Environment:
+    """The environment `rollout.environment` names, built with its settings."""
+    return load_environment(cfg.name, cfg.max_turns, cfg.tool_timeout_s, cfg.options)
+
+
+def check_environment(cfg: EnvironmentConfig) -> None:
+    """Build the configured environment once, so that a spec that cannot be used stops the run
+    before any stage starts. Raises ConfigError naming the module, class or method."""
+    try:
+        environment_of(cfg)
+    except EnvironmentSpecError as exc:
+        raise ConfigError(str(exc)) from None

@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from trainer.chat import ChatFormatError, render_ids
 from trainer.generate import Generation
 from trainer.rl.engines import RolloutEngine, SamplingParams
-from trainer.rl.envs import TOOL_CALL_END, TOOL_CALL_START, Episode, Tool
+from trainer.rl.envs import Episode, Tool
+from trainer.rl.tools import TOOL_CALL_END, TOOL_CALL_START
 
 TURN_SEED_STRIDE = 1_000_003  # seed offset between an episode batch's turns
 

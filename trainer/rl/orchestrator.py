@@ -24,6 +24,7 @@ from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
 from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.rl.envs import environment_of
 from trainer.rl.multiturn import Observations, play, tool_use
 from trainer.rl.rewards import RewardError, RewardMix
 from trainer.rl.trajectory import Group, RolloutBatch, Sample
@@ -111,7 +112,7 @@ class RolloutManager:
         self.carry: list[Group] = []
         self._prompt_cache: dict[int, list[int]] = {}
         env = cfg.environment
-        self.environment = env.load() if env.multi_turn else None
+        self.environment = environment_of(env) if env.multi_turn else None
         self.max_tokens = env.token_budget(cfg.max_response_tokens)
         self.observations = Observations(tok) if env.multi_turn else None
 

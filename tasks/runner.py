@@ -1,0 +1,169 @@
+"""Running one stage: from cache when its result is committed, else its body under the stage's
+lease (tasks/lease.py), with an MLflow child run, the manifest committed last (tasks/results.py),
+and, for launched stages, its ranks supervised under the DeepSpeed launcher."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tasks import lease
+from tasks.keys import code_version, extent, resolve
+from tasks.results import HOLDER_FILE, adopt_checkpoint, commit, damage, work_dir_for
+from tasks.stages import rule_for
+from tasks.tracking import MlflowLogger, TrackingRef, child_logger, prefect_logger
+from trainer import storage
+from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
+from trainer.config import RunConfig
+
+# the lease a stage holds while its body runs (run_launched hands its ranks lock to the ranks)
+_held: contextvars.ContextVar[lease.StageLease | None] = contextvars.ContextVar("held_lease", default=None)
+
+
+def _cache_hit(stage: str, where, ref: TrackingRef, t0: float) -> dict[str, Any]:
+    manifest = where.manifest
+    source = manifest.get("mlflow_run_id", "")
+    logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
+    logger.log_metrics(manifest.get("metrics", {}))
+    logger.client.set_terminated(logger.run_id)
+    prefect_logger().info("%s: cache hit (key %s) at %s", stage, where.key, where.folder)
+    return {**manifest, "cache_hit": True, "wall_seconds": time.perf_counter() - t0,
+            "mlflow_run_id": logger.run_id, "source_run_id": source}
+
+
+def run_stage(
+    stage: str,
+    cfg: RunConfig,
+    inputs: dict[str, dict | None],
+    body: Callable[[Path, MlflowLogger], dict[str, Any]],
+    ref: TrackingRef,
+) -> dict[str, Any]:
+    """Return the stage's manifest: from cache if committed, else by running `body`.
+
+    `body(work_dir, logger)` writes its files into work_dir and returns {"metrics": {...}, ...};
+    the runner uploads the folder (for s3:// roots) and commits the manifest last. One run at a
+    time computes a folder (tasks/lease.py): the others wait and then take its result."""
+    log = prefect_logger()
+    t0 = time.perf_counter()
+    recompute = stage in ref.recompute
+    where = resolve(cfg, stage, rule_for(stage), inputs)
+    if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
+        return _cache_hit(stage, where, ref, t0)
+    while True:
+        key = where.key
+        say = lambda msg: log.info("%s (key %s): %s", stage, key, msg)  # noqa: E731
+        with lease.hold(where.folder, say, {"flow_run_id": ref.flow_run_id, "mlflow_run_id": ref.parent_run_id}) as held:
+            again = resolve(cfg, stage, rule_for(stage), inputs)  # another run may have committed it meanwhile
+            if again.folder != where.folder:  # ... and so moved this run's result to a folder of its own
+                where = again
+                continue
+            where = again
+            fresh = recompute and where.manifest is not None
+            if where.manifest is not None and not recompute:
+                broken = damage(where.folder, where.manifest)
+                if not broken:
+                    return _cache_hit(stage, where, ref, t0)
+                log.warning("%s: the result at %s is damaged (%s); computing it again beside it", stage,
+                            where.folder, broken)
+                fresh = True
+            token = _held.set(held)
+            try:
+                return _compute(stage, cfg, inputs, body, ref, where, held, fresh, t0)
+            finally:
+                _held.reset(token)
+
+
+def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
+             t0: float) -> dict[str, Any]:
+    log = prefect_logger()
+    folder = where.folder
+    work = work_dir_for(folder, holder=held.token, fresh=fresh)
+    took_over = f"took over from {lease._describe(held.previous)}; " if held.previous else ""
+    adopted = None
+    if storage.is_remote(folder):
+        storage.write_json(str(work / HOLDER_FILE), {"pid": os.getpid(), "host": socket.gethostname(),
+                                                     "token": held.token, "flow_run_id": ref.flow_run_id})
+        if not fresh:
+            adopted = adopt_checkpoint(folder, work)
+    checkpoints = committed_tags(work / "checkpoints")
+    source = None
+    if checkpoints:
+        source = f"the checkpoint {checkpoints[-1]} " + (f"left on this machine by pid {adopted[1].get('pid')}" if adopted
+                                                         else f"left in {work} by an earlier attempt")
+    if where.continues_from is not None:
+        if source:
+            log.info("%s: %scontinuing the result at %s from %d to %d, from %s", stage, took_over, folder,
+                     where.continues_from, extent(cfg, rule_for(stage)), source)
+        else:  # checkpoints stay in the scratch folder of the machine that ran it (see UNCHECKED)
+            log.warning("%s: %sextending the result at %s from %d to %d, but its checkpoints are not on this machine "
+                        "(they stay in the scratch folder of the machine that computed it): computing the stage "
+                        "again from its input", stage, took_over, folder, where.continues_from, extent(cfg, rule_for(stage)))
+        storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
+    elif fresh:
+        log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
+                    stage, folder)
+    elif source:
+        log.info("%s: %sresuming from %s", stage, took_over, source)
+    elif took_over:
+        log.warning("%s: %sno checkpoint of it is on this machine (checkpoints stay on the machine that wrote "
+                    "them; it ran on %s): restarting from the stage's input", stage, took_over,
+                    held.previous.get("host"))
+    logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
+    sections = rule_for(stage).sections  # the config sections the stage logs and records
+    logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
+    log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
+    try:
+        with checkpoint_guard(held.check):
+            extra = body(work, logger)
+        held.check()
+    except BaseException:
+        from mlflow.entities import RunStatus
+
+        logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
+        if fresh:
+            log.error("%s: the recompute failed; the earlier result at %s is kept", stage, folder)
+        raise
+    wall = time.perf_counter() - t0
+    manifest = {
+        "stage": stage, "key": where.key, "uri": folder, "code_version": code_version(),
+        "config": {s: cfg.to_dict()[s] for s in sections}, "seed": cfg.seed,
+        "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
+        "extent": extent(cfg, rule_for(stage)), **extra,
+    }
+    commit(work, folder, manifest, replace=fresh)
+    logger.log_metrics({f"{stage}/wall_seconds": wall})
+    logger.log_text(json.dumps(manifest, indent=2, sort_keys=True), "manifest.json")
+    logger.client.set_terminated(logger.run_id)
+    log.info("%s: done in %.1fs, committed %s", stage, wall, storage.join(folder, storage.MANIFEST))
+    return {**manifest, "cache_hit": False, "source_run_id": logger.run_id}
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="posttrain-"))
+
+
+def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRef, logger: MlflowLogger,
+                 inputs: dict[str, Any]) -> dict[str, Any]:
+    """Run `stage`'s body on every rank under the DeepSpeed launcher (tasks.rank_main), supervised:
+    its output goes into this task's log; a crash, timeout or cancellation kills every rank."""
+    from trainer import launch
+
+    held = _held.get()
+    spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
+            "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid(),
+            "ranks_lock": str(held.ranks_lock) if held is not None and held.ranks_lock else None,
+            "lease": held.for_ranks() if held is not None else None}
+    path = launch.write_spec(work, spec)
+    plan = launch.plan(stage, ds_cfg, path)
+    log = prefect_logger()
+    log.info("%s", plan.describe())
+    logger.log_params({f"{stage}.launch.world_size": plan.world_size})
+    return launch.supervise(plan, work, on_line=lambda line: log.info("%s", line), timeout_s=ds_cfg.timeout_s)

@@ -1,0 +1,132 @@
+"""MLflow and Prefect logging for the stages: the pipeline run's tracking reference, the MLflow
+logger every stage logs through (trainer.tracking.MetricLogger's MLflow side) and the Prefect run logger."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+@dataclass(frozen=True)
+class TrackingRef:
+    """What every stage of one pipeline run shares (picklable, small): the MLflow parent run it
+    logs under, the Prefect flow run, and the stages this run must recompute despite the cache."""
+
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    flow_run_id: str | None = None
+    recompute: frozenset[str] = frozenset()
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class MlflowLogger:
+    """trainer.tracking.MetricLogger on one MLflow run, through MlflowClient (thread-safe)."""
+
+    def __init__(self, client, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+                 for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        if rows:
+            columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+            self.client.log_table(self.run_id, data=columns, artifact_file=name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+
+_ready: set[str] = set()
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient on `uri`. A process's first use of a SQLite store runs under a file lock beside
+    the database: MLflow creates a fresh store's tables on first use, and two processes doing that at
+    once fail ("No such index ..."). A server-backed store is set up by its server."""
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    if not uri.startswith("sqlite:///") or uri in _ready:
+        return MlflowClient(tracking_uri=uri)
+    db = Path(uri[len("sqlite:///"):]).expanduser()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
+        client.search_experiments(max_results=1)
+        client.search_registered_models(max_results=1)  # ... and the model registry's
+    _ready.add(uri)
+    return client
+
+
+def client_for(ref: TrackingRef):
+    return mlflow_client(ref.tracking_uri)
+
+
+def child_logger(ref: TrackingRef, stage: str, tags: dict[str, Any]) -> MlflowLogger:
+    client = client_for(ref)
+    run = client.create_run(ref.experiment_id, run_name=stage, tags={
+        "mlflow.parentRunId": ref.parent_run_id, "posttrain.stage": stage,
+        **({"prefect.flow_run_id": ref.flow_run_id} if ref.flow_run_id else {}),
+        **{k: str(v) for k, v in tags.items()},
+    })
+    return MlflowLogger(client, run.info.run_id)
+
+
+def prefect_logger():
+    """The Prefect run logger inside a task, else a std logger (tests calling .fn directly)."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("posttrain")
