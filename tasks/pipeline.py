@@ -64,10 +64,19 @@ def _label(manifest: dict[str, Any]) -> str:
     return f"{manifest['stage']} ({evaluated})" if evaluated else manifest["stage"]
 
 
+# MLflow 3's UI opens an experiment in the view this tag names; without it, an experiment whose runs
+# it cannot classify opens in the GenAI view (traces, judges, prompts; no metric columns).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(client, name: str, artifact_location: str | None = None) -> str:
-    """The experiment's id, creating it (with its artifact location, if given) when missing."""
+    """The experiment's id, creating it (with its artifact location, if given) when missing; tagged
+    as model training for MLflow's UI unless someone chose another kind."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if not any(k in exp.tags for k in EXPERIMENT_KIND):
+            for k, v in EXPERIMENT_KIND.items():
+                client.set_experiment_tag(exp.experiment_id, k, v)
         if artifact_location and exp.artifact_location.rstrip("/") != artifact_location.rstrip("/"):
             logging.getLogger(__name__).warning(
                 "tracking.artifact_location=%s: experiment %r already keeps its artifacts at %s (MLflow cannot "
@@ -75,7 +84,7 @@ def experiment_id(client, name: str, artifact_location: str | None = None) -> st
                 exp.artifact_location)
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_KIND)
     except Exception:  # created meanwhile by a concurrent run
         return client.get_experiment_by_name(name).experiment_id
 
@@ -158,16 +167,41 @@ def run_row(stage, cfg: RunConfig, results: dict[str, dict | None], ref: Trackin
 
     inputs = stage.inputs_from(results)
     compute = stages.load(stage.body)(cfg, inputs, ref, fault)
+    config = {section: cfg.to_dict()[section] for section in stage.key.sections}
+    upstream = {name: {"key": m["key"], "uri": m["uri"]} if m else None for name, m in inputs.items()}
 
-    def run() -> dict[str, Any]:
-        return run_stage(stage.kind, cfg, inputs, compute, ref)
+    # The stage's keyed config and its inputs are the task's parameters (the UI lists them under
+    # Task Inputs) and a markdown artifact on the task run's page (values the UI does not show).
+    def stage_task(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        publish_inputs(stage.name, config, inputs)
+        return run_stage(stage.kind, cfg, stage.inputs_from(results), compute, ref)
 
     if not stage.task:
-        return run()
+        return stage_task(config, upstream)
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
-    return task(name=stage.kind, cache_policy=NO_CACHE)(run)()
+    return task(name=stage.kind, cache_policy=NO_CACHE)(stage_task)(config, upstream)
+
+
+def inputs_markdown(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> str:
+    lines = [f"### {stage}: what it ran with", "", "| input | result key | folder |", "|---|---|---|"]
+    lines += [f"| {name} | {m['key'] if m else '(off)'} | {m['uri'] if m else ''} |" for name, m in inputs.items()]
+    if not inputs:
+        lines.append("| (none) | | |")
+    lines += ["", "Config (the sections its cache key reads):", "", "```yaml",
+              yaml.safe_dump(config, sort_keys=False).rstrip(), "```"]
+    return "\n".join(lines)
+
+
+def publish_inputs(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """A markdown artifact on the current Prefect task run (or flow run): the stage's config and inputs."""
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(inputs_markdown(stage, config, inputs), description=f"{stage}: config and inputs")
+    except Exception as exc:  # the record is for people; a Prefect API hiccup must not fail the stage
+        prefect_logger().warning("%s: could not publish its inputs as a Prefect artifact (%s)", stage, exc)
 
 
 def report_start(run: PipelineRun, results: dict) -> None:

@@ -347,7 +347,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
     ap.add_argument("--only", choices=["async"], help="one part alone")
     a = ap.parse_args()
-    out: dict = {"machine": {"cpu": _cpu(), "threads": 2}}
+    import torch
+
+    from trainer import kernels
+
+    # which compiled variant the posttrain sessions run (POSTTRAIN_KERNELS_ISA picks a narrower one)
+    out: dict = {"machine": {"cpu": _cpu(), "threads": 2, "kernels": kernels.variant(),
+                             "torch_isa": torch.backends.cpu.get_cpu_capability()}}
     gflops = matmul_gflops()
     out["machine"]["matmul_gflops"] = gflops
     print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
@@ -383,7 +389,9 @@ def _cpu() -> str:
 
 def report(out: dict) -> None:
     print()
-    print(f"machine: {out['machine']['cpu']}, 2 threads, fp32 matmul {out['machine']['matmul_gflops']:.1f} GFLOP/s")
+    m = out["machine"]
+    print(f"machine: {m['cpu']}, 2 threads, fp32 matmul {m['matmul_gflops']:.1f} GFLOP/s; posttrain kernels "
+          f"{m.get('kernels', '?')}, torch ops {m.get('torch_isa', '?')}")
     if "grpo" in out:
         print(f"{'GRPO step (median)':<22}{'':>2}{'TRL':>10}{'posttrain':>11}{'ratio':>8}")
     for shape, r in out.get("grpo", {}).items():

@@ -110,6 +110,8 @@ def test_mlflow_parent_and_child_runs(first_run):
     client = MlflowClient()
     parent = client.get_run(result["mlflow_run_id"])
     assert parent.info.status == "FINISHED"
+    # MLflow's UI opens the experiment in its model-training view, not the GenAI one
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert {"sft_accuracy", "final_accuracy", "wall_seconds"} <= set(parent.data.metrics)
     assert parent.data.params["sft.max_steps"] == "12"
     assert parent.data.tags["prefect.flow_run_id"] == result["flow_run_id"]
@@ -171,6 +173,44 @@ def test_prefect_flow_run_completed_with_a_task_per_stage(first_run):
             assert f"{step}-r{r}" in names, (step, r, names)
     assert "grpo-eval-r2" in names and "checkpoint-r2" in names
     assert all(t.state.is_completed() for t in tasks)
+
+
+def test_each_stage_task_run_shows_its_config_and_inputs_in_prefect(first_run):
+    """What a user reading a (failed) run in the Prefect UI needs: on each stage's task run, its
+    parameters (Task Inputs) and a markdown artifact with the keyed config and the input keys."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    _, _, result = first_run
+    keys = {s["label"]: s["key"] for s in result["stages"]}
+
+    async def fetch():
+        async with get_client() as client:
+            for _ in range(60):  # task runs and artifacts arrive as events, recorded asynchronously
+                tasks = await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]])),
+                    limit=100, sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+                stage_runs = [t for t in tasks if t.name.split("-")[0] in ("prepare_data", "tokenizer", "sft", "eval",
+                                                                           "control")]
+                arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                    task_run_id=ArtifactFilterTaskRunId(any_=[t.id for t in stage_runs])), limit=100)
+                if len(stage_runs) == 7 and len(arts) == 7:
+                    break
+                await asyncio.sleep(0.5)
+            return stage_runs, arts
+
+    stage_runs, arts = asyncio.run(fetch())
+    assert len(stage_runs) == 7 and all(set(t.task_inputs) == {"config", "inputs"} for t in stage_runs), stage_runs
+    by_run = {a.task_run_id: a.data for a in arts}
+    sft = next(t for t in stage_runs if t.name.startswith("sft-"))
+    text = by_run[sft.id]
+    assert "max_steps: 12" in text and "micro_batch_size: 16" in text  # the sft section as it ran
+    assert f"| data | {keys['prepare_data']} |" in text and f"| tokenizer | {keys['tokenizer']} |" in text
+    control = next(t for t in stage_runs if t.name.startswith("control-"))
+    assert f"| grpo | {keys['grpo']} |" in by_run[control.id] and "warmup_steps: 10" in by_run[control.id]
 
 
 def test_async_rounds_show_the_next_rollout_beside_the_update_in_prefect_and_log_lag_to_mlflow(first_run):

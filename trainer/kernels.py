@@ -7,7 +7,10 @@ It is built with torch's own extension builder against the installed torch, for 
 width as torch itself uses it (AVX-512, AVX2), into a cache outside the clone keyed by the source,
 torch's version and that width: `$POSTTRAIN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/posttrain/kernels`,
 else `~/.cache/posttrain/kernels`. Fresh clones on one machine reuse it; the first build takes
-about 15 s on 2 cores (`make setup` does it ahead). With no compiler, or `POSTTRAIN_KERNELS=0`, the
+about 15 s on 2 cores (`make setup` does it ahead). `POSTTRAIN_KERNELS_ISA=avx2` (or `default`) builds
+and runs a narrower variant than the CPU allows: an AVX-512 machine then runs what an AVX2-only
+one runs (the instruction set, not that machine's clock or memory; `ATEN_CPU_CAPABILITY=avx2` does
+the same for torch's own ops). With no compiler, or `POSTTRAIN_KERNELS=0`, the
 fast decoder runs its torch-op path instead (same results up to float rounding, about half the
 speed on small models) and GRPO's log-prob passes run the model's own forward; which path runs is
 logged once.
@@ -44,10 +47,26 @@ def cache_root() -> Path:
 
 
 def _capability() -> str:
+    """The variant to build: `$POSTTRAIN_KERNELS_ISA` (avx512, avx2 or default) when set, else the
+    vector width torch itself uses on this CPU (which `ATEN_CPU_CAPABILITY` lowers for torch's own ops)."""
     import torch
 
+    forced = os.environ.get("POSTTRAIN_KERNELS_ISA", "").strip().upper()
+    if forced:
+        if forced not in (*ARCH_FLAGS, "DEFAULT"):
+            raise ValueError(f"POSTTRAIN_KERNELS_ISA={forced.lower()!r}: use avx512, avx2 or default")
+        runs = {"AVX512": torch.cpu._is_avx512_supported(), "AVX2": torch.cpu._is_avx2_supported()}
+        if not runs.get(forced, True):
+            raise ValueError(f"POSTTRAIN_KERNELS_ISA={forced.lower()}: this CPU has no {forced}; use "
+                             f"{'avx2 or ' if runs['AVX2'] else ''}default")
+        return forced
     cap = torch.backends.cpu.get_cpu_capability()
     return cap if cap in ARCH_FLAGS else "DEFAULT"
+
+
+def variant() -> str:
+    """Which build runs ("avx512", "avx2", "default"; "off" when the kernels are off or did not build)."""
+    return _capability().lower() if ops() else "off"
 
 
 def build_dir() -> Path:
@@ -74,7 +93,7 @@ def ops():
     else:
         try:
             op = _load()
-            log.info("compiled kernels from %s", build_dir())
+            log.info("compiled kernels (%s) from %s", _capability().lower(), build_dir())
         except Exception as e:  # no compiler, no headers, a failed build: the torch-op path still works
             log.warning("could not build the compiled kernels (%s): the fast decoder uses its torch-op path, "
                         "about half the speed on small models, and GRPO the model's own forward. "
