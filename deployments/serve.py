@@ -117,6 +117,14 @@ def _wait(url: str, what: str, services: Services, timeout: float = 120) -> None
         time.sleep(0.5)
 
 
+def mlflow_server_cmd(store: str, port: int, *extra: str) -> list[str]:
+    """`mlflow server` for one user on this machine: one web worker (MLflow's default is four, each a
+    process of about 250 MB), and no job runner (its queue consumers are for GenAI evaluation jobs,
+    which posttrain never submits: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false in `service_env`)."""
+    return [_bin("mlflow"), "server", "--backend-store-uri", store, "--host", HOST, "--port", str(port),
+            "--workers", "1", *extra]
+
+
 def _spawn(services: Services, name: str, cmd: list[str]) -> None:
     log = open(services.logs / f"{name}.log", "ab")
     services.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=services.env, stdout=log, stderr=subprocess.STDOUT,
@@ -137,6 +145,7 @@ def service_env(env: dict[str, str], api: str) -> dict[str, str]:
     env.update({"PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_LOGGING_EXTRA_LOGGERS": "trainer", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"})
     env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # see mlflow_server_cmd
     return env
 
 
@@ -154,6 +163,8 @@ def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[st
     try:
         _spawn(services, "prefect-server",
                [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
+        if mlflow_port:  # starts beside the Prefect server; waited for once the deployments are in
+            _spawn(services, "mlflow-ui", mlflow_server_cmd(env["MLFLOW_TRACKING_URI"], mlflow_port))
         _wait(f"{api}/health", "the Prefect server", services)
         _run(services, [_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
              "creating the work pool")
@@ -163,8 +174,6 @@ def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[st
              "prefect deploy --all")
         _spawn(services, "prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"])
         if mlflow_port:
-            _spawn(services, "mlflow-ui", [_bin("mlflow"), "server", "--backend-store-uri", env["MLFLOW_TRACKING_URI"],
-                                           "--host", HOST, "--port", str(mlflow_port)])
             _wait(f"{services.mlflow_url}/health", "the MLflow UI", services)
         services.check()
     except BaseException:

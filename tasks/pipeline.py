@@ -89,16 +89,20 @@ def experiment_id(client, name: str, artifact_location: str | None = None) -> st
         return client.get_experiment_by_name(name).experiment_id
 
 
+# The runs table in MLflow 3's model-training view (not GenAI's, which the UI opens by default), the
+# finished speedruns only (those with a final accuracy: the parent runs), best first. Which columns
+# show is the browser's own saved state in MLflow 3.17, which a link cannot set (docs/serving.md).
+RUNS_TABLE_QUERY = ("workflowType=machine_learning&searchFilter=metrics.final_accuracy%20%3E%3D%200"
+                    "&orderByKey=metrics.%60final_accuracy%60&orderByAsc=false")
+
+
 def mlflow_ui_urls(experiment_id: str, run_id: str | None = None, ui: str | None = None) -> tuple[str, str | None]:
     """The MLflow UI's runs table of an experiment, and a run's page: under `ui`, else the tracking
-    server when MLFLOW_TRACKING_URI is one, else where `make serve` (and `mlflow ui`) listen by default.
-    The experiment's own page opens on MLflow's GenAI overview; the table is one path further."""
-    from tasks.tracking import tracking_uri
-
+    server when MLFLOW_TRACKING_URI is one, else where `make serve` (and `mlflow ui`) listen by default."""
     uri = tracking_uri()
     base = (ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")).rstrip("/")
-    table = f"{base}/#/experiments/{experiment_id}/runs"
-    return table, (f"{table}/{run_id}" if run_id else None)
+    runs = f"{base}/#/experiments/{experiment_id}/runs"
+    return f"{runs}?{RUNS_TABLE_QUERY}", (f"{runs}/{run_id}?workflowType=machine_learning" if run_id else None)
 
 
 def _flow_run() -> tuple[str | None, str | None]:

@@ -1,7 +1,11 @@
 """Test isolation: each session gets its own Prefect home, MLflow store and caches.
 
-Set before Prefect or MLflow is imported, so the flows under test talk to a real (ephemeral)
-Prefect server and a real MLflow SQLite store that live in a temporary folder."""
+Set before Prefect or MLflow is imported, so the flows under test talk to a real Prefect server and
+a real MLflow SQLite store that live in a temporary folder. One Prefect server serves the session:
+the flows run in this process and every CLI process the tests start (named in PREFECT_API_URL, as a
+user's own server would be), instead of a temporary server per command, which costs each command
+a server start (about 15 s of a core on a slow machine). The tests of the temporary server itself
+(tests/test_cli_server.py) and of `make serve` (tests/test_deployments.py) run their own."""
 
 import os
 import subprocess
@@ -14,8 +18,8 @@ import pytest
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
-os.environ.pop("PREFECT_API_URL", None)  # no server configured: Prefect starts its temporary one
-os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"  # for the tests that unset PREFECT_API_URL
 # a CLI run's temporary server creates its database first; on 2 busy cores that can exceed the
 # 20 s default
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
@@ -26,12 +30,27 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
 os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The session's Prefect server: started now (it comes up while the tests are collected), waited for
+# by `_prefect_server` before the first test, stopped at the end (and with this process, however it ends).
+from flows.prefect_server import TemporaryServer  # noqa: E402 (imports nothing of Prefect)
+
+_PREFECT_SERVER = TemporaryServer()
+os.environ["PREFECT_API_URL"] = _PREFECT_SERVER.api_url
+os.environ["PREFECT_UI_URL"] = ""  # the server has no UI
+
 # Prefect binds its console log handler to the sys.stderr of the moment it sets up logging (when
 # prefect.main is imported, as `from prefect import flow` does). Do it here, under the session's
 # capture: done first inside a test that uses capsys, the handler would keep writing to that test's
 # stream, closed once the test ends, and every later flow's log line would fail (seen when
 # tests/test_s3.py ran first).
 import prefect.main  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_server():
+    _PREFECT_SERVER.wait_healthy(120)
+    yield _PREFECT_SERVER
+    _PREFECT_SERVER.stop()
 
 
 @pytest.fixture(scope="session")
@@ -96,3 +115,16 @@ def smollm2(smollm2_gguf):
     folder = resolve_pretrained(str(smollm2_gguf))
     print(f"\nGGUF -> safetensors: {time.perf_counter() - t0:.1f}s")
     return Path(folder), load_model(folder), load_tokenizer(folder)
+
+
+# The longest test files, longest first (measured on 2 cores): under `make test`'s two workers a
+# file runs whole on one worker, and starting the long ones first keeps the two from ending far
+# apart. Tests keep their order within a file; the rest follow in their usual order.
+LONGEST_FIRST = ["test_deployments", "test_sglang_pipeline", "test_async", "test_concurrency", "test_sglang_server",
+                 "test_resume_kill", "test_multirank", "test_s3", "test_pipeline", "test_determinism_load",
+                 "test_gpu_preset_path", "test_reports", "test_smollm2_sglang", "test_multiturn"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order within a file kept

@@ -150,9 +150,11 @@ def test_four_runs_at_once_on_a_fresh_server_backed_store(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                               str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                               "--default-artifact-root", str(tmp_path / "mlartifacts")],
+    from deployments.serve import mlflow_server_cmd
+
+    server = subprocess.Popen(mlflow_server_cmd(f"sqlite:///{tmp_path / 'server.db'}", port, "--default-artifact-root",
+                                                str(tmp_path / "mlartifacts")),
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                               stdout=open(tmp_path / "mlflow.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     store = f"http://127.0.0.1:{port}"

@@ -135,7 +135,8 @@ def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served,
     # what `make serve` prints for MLflow: the runs table of the experiment the run went to
     from deployments.serve import runs_table
 
-    assert runs_table(served) == f"{served.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs"
+    assert runs_table(served).startswith(f"{served.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs"
+                                         "?workflowType=machine_learning&")
     assert runs_table(served, "no-such-experiment").startswith(f"{served.mlflow_url}/#/experiments   (")
 
     # Same data and SFT, a new GRPO setting; GRPO fails once after round 3 (its checkpoint: round 2).
