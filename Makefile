@@ -43,7 +43,7 @@ sglang-env: setup
 PYTEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m deployments.sglang_env build --device cpu
-	$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

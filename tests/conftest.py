@@ -117,12 +117,25 @@ def smollm2(smollm2_gguf):
     return Path(folder), load_model(folder), load_tokenizer(folder)
 
 
-# The longest test files, longest first (measured on 2 cores): under `make test`'s two workers a
-# file runs whole on one worker, and starting the long ones first keeps the two from ending far
-# apart. Tests keep their order within a file; the rest follow in their usual order.
-LONGEST_FIRST = ["test_deployments", "test_sglang_pipeline", "test_async", "test_concurrency", "test_sglang_server",
-                 "test_resume_kill", "test_multirank", "test_s3", "test_pipeline", "test_determinism_load",
-                 "test_gpu_preset_path", "test_reports", "test_smollm2_sglang", "test_multiturn"]
+# The longest test files, longest first (their seconds under `make test`'s two workers on a 2-core
+# AMD EPYC, Zen 3, 2026-11-26): a file runs whole on one worker, in this order (`--dist loadfile
+# --no-loadscope-reorder`; xdist would otherwise start the files with the most tests, the fast unit
+# files), so the long ones start first and the short ones even out the end. Tests keep their
+# order within a file; the rest follow in their usual order.
+LONGEST_FIRST = ["test_determinism_load",  # 998 s
+                 "test_deployments",       # 866
+                 "test_sglang_pipeline",   # 540
+                 "test_multirank",         # 507
+                 "test_async",             # 455
+                 "test_sglang_server",     # 357
+                 "test_concurrency", "test_resume_kill", "test_gpu_preset_path", "test_smollm2_sglang",
+                 "test_cli_server",        # 213
+                 "test_damaged_state",     # 211
+                 "test_fastgen",           # 185
+                 "test_s3",                # 173
+                 "test_pipeline",          # 135
+                 "test_answers",           # 108
+                 ]
 
 
 def pytest_collection_modifyitems(config, items):

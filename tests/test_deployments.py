@@ -123,6 +123,8 @@ def test_server_rejects_invalid_parameters(served, params, field):
 
 
 def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served, tmp_path):
+    """Long: three flow runs through the real worker (each a process of its own that imports torch,
+    DeepSpeed, Prefect and MLflow), what a user's Run and Retry buttons do."""
     overrides = SMALL + [f"artifact_root={tmp_path / 'artifacts'}"]
     run = trigger(served, "speedrun/speedrun", {"preset": "tiny", "overrides": overrides})
     run = wait_final(served, run.id)
@@ -268,6 +270,8 @@ def cancel_mid_stage(served, deployment_name: str, stage: str, root: Path, overr
 
 
 def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, tmp_path):
+    """Long: a 2-rank SFT launched by a worker's flow run, cancelled through the API once a
+    checkpoint commits, then run again; only a real launch shows every rank gone."""
     root = tmp_path / "artifacts"
     overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.max_steps=400",
                          "sft.checkpoint_every=5", "sft.micro_batch_size=8"]
@@ -281,6 +285,8 @@ def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, 
 
 
 def test_cancel_mid_grpo_stops_its_sglang_servers_then_rerun_resumes(served, tmp_path):
+    """Long: two SGLang CPU server starts (about a minute each on 2 cores) inside worker flow runs;
+    a server outliving its cancelled run is what this guards against, and only a real one shows it."""
     from tests.test_sglang_pipeline import OVERRIDES as SGLANG
 
     root = tmp_path / "artifacts"

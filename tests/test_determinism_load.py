@@ -86,6 +86,8 @@ def quiet(tmp_path_factory):
 
 
 def test_a_run_beside_a_busy_machine_ends_with_the_quiet_runs_weights(quiet, tmp_path):
+    """Long by design (a whole CLI run under a CPU burner beside the quiet one): the threaded code
+    paths only order their work differently when the cores are contended."""
     _, result = run(tmp_path, "loaded", loaded=True)
     assert weights(result) == quiet
 
@@ -108,6 +110,8 @@ VARIANTS = [
 
 @pytest.mark.parametrize("overrides,env", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
 def test_grpo_under_load_matches_quiet(tmp_path, monkeypatch, overrides, env):
+    """Long by design: a quiet run and a loaded re-run of GRPO per variant, at the tiny preset's
+    model and micro-batch (smaller shapes let the unfixed code pass by luck, see above)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     _, first = run(tmp_path, "quiet", overrides)

@@ -123,10 +123,12 @@ def test_prefect_artifacts_and_mlflow_plot(nightlies):
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[result["flow_run_id"]])),
                 limit=50)
 
-    artifacts = {a.type: a for a in asyncio.run(fetch())}
-    md = artifacts["markdown"].data
+    artifacts = asyncio.run(fetch())
+    md = next(a for a in artifacts if a.key and a.key.endswith("-summary")).data
     assert "data:image/png;base64," in md and "final_accuracy" in md and "Against the best earlier nightly" in md
-    table = artifacts["table"].data
+    # beside the run's summary, each stage's record of what it ran with (on its task run, or GRPO's on the flow run)
+    assert sum(a.type == "markdown" and "what it ran with" in a.data for a in artifacts) == len(result["stages"])
+    table = next(a for a in artifacts if a.type == "table").data
     rows = json.loads(table) if isinstance(table, str) else table
     assert [r["model"] for r in rows] == ["eval (sft)", "eval (grpo)", "eval (control)"]
     assert rows[1]["accuracy"] == round(result["headline"]["final_accuracy"], 4)
