@@ -470,7 +470,12 @@ def test_a_server_killed_mid_round_fails_the_round_quickly(servers, base_model, 
     trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers,
                        rollout={"async_steps": 1, "max_response_tokens": 120, "prompts_per_round": 16}, rounds=4)
     try:
-        time.sleep(1.5)  # rounds 1 and 2 requested at start: in flight now
+        # rounds 1 and 2 are requested at start: wait until both are in flight (on a loaded machine
+        # the producer may take more than a moment to send them), then kill mid-generation
+        deadline = time.monotonic() + 60
+        while trainer.producer.in_flight() != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
         t0 = time.perf_counter()
         os.killpg(victim.proc.pid, signal.SIGKILL)
         assert trainer.producer.in_flight() == [1, 2] and not trainer.producer.results.done  # mid-generation
