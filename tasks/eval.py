@@ -1,6 +1,7 @@
 """eval stage: greedy held-out accuracy, format rate and response length of a model manifest.
 With `rollout.engine: sglang` the answers come from SGLang servers on the evaluated model (launched
-for the stage, or rollout.sglang.urls loaded with it), otherwise from HF generate in this process.
+for the stage, or rollout.sglang.urls loaded with it), otherwise, or with `eval.engine: hf`, from HF
+generate in this process.
 
 Run alone: `posttrain eval --preset tiny` (evaluates the pipeline's final model).
 """
@@ -28,7 +29,7 @@ def body(cfg, inputs: dict, ref, fault: dict):
         path = model_dir(model)
         tok = load_tokenizer(path)
         engine = policy = None
-        if cfg.rollout.engine == "sglang":  # greedy answers from the servers the rollouts use, not HF generate
+        if cfg.eval_engine() == "sglang":  # greedy answers from the servers the rollouts use, not HF generate
             from tasks.grpo import launch_sglang
 
             engine = launch_sglang(cfg, model)

@@ -160,7 +160,8 @@ def plan_eval(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     seen = f", and on {cfg.eval.seen_examples} training problems (seen)" if cfg.eval.seen_examples else ""
     env = cfg.rollout.environment
     tools = f" (greedy episodes with the {env.name} environment)" if env.multi_turn else ""
-    return [f"  greedy accuracy of {policy} on the held-out split{seen}{tools}"]
+    by = "SGLang servers launched on it" if cfg.eval_engine() == "sglang" else "HF generate"
+    return [f"  greedy accuracy of {policy} on the held-out split{seen}{tools}, answered by {by}"]
 
 
 @dataclass

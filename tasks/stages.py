@@ -48,7 +48,8 @@ class Stage:
         return {name: results.get(row) for name, row in self.inputs.items()}
 
 
-EVAL_KEY = KeyRule(("eval",), content=lambda cfg: {"answered_by": cfg.rollout.engine, **environment_content(cfg)})
+EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it resolves to (answered_by)"},
+                   content=lambda cfg: {"answered_by": cfg.eval_engine(), **environment_content(cfg)})
 
 
 def _grpo_on(cfg: RunConfig) -> bool:

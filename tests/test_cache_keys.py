@@ -32,6 +32,7 @@ UNKEYED_CHANGES = {
     "grpo.pass_k": "grpo.pass_k=2",
     "grpo.deepspeed.timeout_s": "grpo.deepspeed.timeout_s=99",
     "rollout.sglang": "rollout.sglang.urls=[http://10.0.0.5:30000]",
+    "eval.engine": "eval.engine=hf",
 }
 KEYED_CHANGES = [("prepare_data", "data.calculator_annotations=strip"), ("prepare_data", "data.synthetic.n_train=10"),
                  ("tokenizer", "tokenizer.vocab_size=300"), ("sft", "sft.lr=1e-4"), ("sft", "model.dtype=bfloat16"),
@@ -66,6 +67,15 @@ def test_sglang_ports_and_timeouts_are_not_keyed():
     base = key("grpo", "rollout.engine=sglang")
     assert key("grpo", "rollout.engine=sglang", "rollout.sglang.base_port=31000",
                "rollout.sglang.request_timeout_s=5", "rollout.sglang.startup_timeout_s=5") == base
+
+
+def test_an_eval_is_keyed_by_the_engine_that_answers_it():
+    """eval.engine=hf under rollout.engine=sglang answers as the hf rollout engine's evals do (same key);
+    answers from SGLang servers are another result."""
+    by_hf = key("eval", "rollout.engine=hf")
+    assert key("eval", "rollout.engine=sglang", "eval.engine=hf") == by_hf
+    assert key("eval", "rollout.engine=sglang") != by_hf
+    assert key("eval", "rollout.engine=sglang", "eval.engine=rollout") == key("eval", "rollout.engine=sglang")
 
 
 def test_data_files_are_keyed_by_content_not_path(tmp_path):

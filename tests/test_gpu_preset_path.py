@@ -6,7 +6,10 @@ template, loaded with its own tokenizer: `tokenizer.train: false`), real GSM8K r
 tests/data/gsm8k) with the calculator annotations stripped, SFT under ZeRO-2 with 4 accumulated
 micro-batches, eval, and GRPO on a real SGLang server (CPU mode) with 4 mini-batches of several
 micro-batches, token-mean loss, clip-higher and the math reward. Shrunk: the model (140k
-parameters), fp32 instead of bf16, and the counts (rows, rounds, prompts, tokens).
+parameters), fp32 instead of bf16, and the counts (rows, rounds, prompts, tokens). The eval stages
+answer by HF generate (`eval.engine=hf`): a server launch per eval stage cost about 45 s of the run's
+167 s alone on 2 cores, and tests/test_sglang_pipeline.py runs eval stages on SGLang; the periodic
+evals inside GRPO still answer through the stage's server.
 
 One change beyond counts: a tiny model SFT'd on 300 rows solves no GSM8K problem (nor reaches the
 '####' line in 32 tokens), so with the math reward alone every group would be filtered and no
@@ -39,7 +42,7 @@ def overrides(model: Path, port: int) -> list[str]:
         "data.max_test=48",
         # SFT: the preset's ZeRO-2 and 4 accumulated micro-batches; fp32, smaller micro-batches
         "sft.deepspeed.precision=fp32", "sft.micro_batch_size=4", "sft.lr=3e-3", "sft.log_every=1",
-        "eval.max_new_tokens=32",
+        "eval.max_new_tokens=32", "eval.engine=hf",
         # GRPO: 4 mini-batches of 4 micro-batches of 2 (the preset: 4 of 8 of 8)
         "grpo.deepspeed.precision=fp32", "grpo.rounds=3", "grpo.micro_batch_size=2", "grpo.lr=1e-4",
         "grpo.eval_every=3", "grpo.eval_examples=16", "grpo.checkpoint_every=2",

@@ -6,7 +6,6 @@ free; after the SIGKILL a re-run resumes from the last checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -25,11 +24,14 @@ PORT = free_base_port(1)
 OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpoint_every="))] + [
     "grpo.rounds=3", "grpo.checkpoint_every=1", "rollout.engine=sglang", "rollout.sglang.device=cpu",
     f"rollout.sglang.base_port={PORT}", f"rollout.sglang.env={{PYTHONPATH: {STANDIN}}}",
-    "rollout.sglang.startup_timeout_s=300"]
+    "rollout.sglang.startup_timeout_s=300",
+    # the eval stages answer by HF generate: a server start (about 40 s alone on 2 cores) per eval stage
+    # would double these tests; the first test keeps them on SGLang and checks they were answered there
+    "eval.engine=hf"]
 
 
-def run_cli(root: Path, out: Path, fault: str | None = None) -> int:
-    return _run_cli(root, out, fault, overrides=OVERRIDES)[0]
+def run_cli(root: Path, out: Path, fault: str | None = None, extra: tuple[str, ...] = ()) -> int:
+    return _run_cli(root, out, fault, overrides=OVERRIDES + list(extra))[0]
 
 
 def server_processes() -> list[int]:
@@ -60,7 +62,7 @@ def grpo_manifest(result: dict) -> dict:
 
 
 def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
-    assert run_cli(tmp_path, tmp_path / "result.json") == 0
+    assert run_cli(tmp_path, tmp_path / "result.json", extra=("eval.engine=rollout",)) == 0
     assert_no_server_left(within_s=5)
     result = json.loads((tmp_path / "result.json").read_text())
     m = grpo_manifest(result)
@@ -80,7 +82,7 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
     assert evals and all(r.data.tags["posttrain.answered_by"] == "sglang" for r in evals)  # not HF generate
     periodic = client.get_metric_history(run.info.run_id, "eval/accuracy")
     assert periodic  # the periodic evals ran (through the servers: trainer.evaluate passes the engine)
-    print(f"\nSGLang rounds: " + ", ".join(
+    print("\nSGLang rounds: " + ", ".join(
         f"{k.split('/')[1]} {sum(h.value for h in client.get_metric_history(run.info.run_id, k)) / 3:.2f}s"
         for k in ("time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds",
                   "time/round_seconds")))

@@ -351,6 +351,10 @@ class EvalConfig(Strict):
         "problems the model was trained on, against held-out accuracy, is the memorisation gap; 0 skips it")
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(256, ge=1)
+    engine: Literal["rollout", "hf"] = Field(
+        "rollout", description="who answers the eval stages: rollout = the rollout engine (with "
+        "rollout.engine=sglang, servers launched for each eval stage on the evaluated model); hf = HF generate "
+        "in the stage's process, no server launch (on CPU a server start costs more than a small model's eval)")
 
 
 class ControlConfig(Strict):
@@ -437,6 +441,10 @@ class RunConfig(Strict):
                 "each rank), or one rank"
             )
         return self
+
+    def eval_engine(self) -> str:
+        """What answers the eval stages: "hf" or "sglang" (eval.engine resolved against rollout.engine)."""
+        return self.rollout.engine if self.eval.engine == "rollout" else self.eval.engine
 
     def section_hash(self, *names: str) -> str:
         """Stable hash of the named config sections (part of a stage's cache key)."""
