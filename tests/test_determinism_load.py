@@ -4,9 +4,9 @@ bytes, busy machine or quiet.
 
 Each case runs the real CLI (its own process, Prefect's temporary server, MLflow on SQLite) once
 on a quiet machine and once beside processes that keep every core busy (a Python busy loop and a
-torch matmul loop on all threads), and compares the weights' hashes bit for bit: kernels on and
-off, ZeRO-3 on one rank, ZeRO-2 on two gloo ranks, and a run SIGKILLed mid-round under load and
-resumed under load. The shapes are big enough that torch's threaded code paths run (its CPU
+torch matmul loop on all threads), and compares the weights' hashes bit for bit: a run SIGKILLed
+mid-round under load and resumed under load (SFT and every GRPO round trained under load), and
+GRPO alone with kernels off, ZeRO-3 on one rank and ZeRO-2 on two gloo ranks. The shapes are big enough that torch's threaded code paths run (its CPU
 `index_put_` with accumulate, for one, goes multi-threaded with atomics past 32,768 elements):
 without `trainer.engine.deterministic` and the `index_select` gathers of the shared-prompt passes,
 the loaded runs here ended with other weights than the quiet ones (docs/reproducibility.md).
@@ -79,22 +79,23 @@ def weights(result: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def quiet(tmp_path_factory):
+def quiet_run(tmp_path_factory):
+    """The quiet run: its folder (the variants below reuse its data, tokenizer and SFT) and weights."""
     root = tmp_path_factory.mktemp("quiet")
     _, result = run(root, "quiet")
-    return weights(result)
+    return root, weights(result)
 
 
-def test_a_run_beside_a_busy_machine_ends_with_the_quiet_runs_weights(quiet, tmp_path):
-    """Long by design (a whole CLI run under a CPU burner beside the quiet one): the threaded code
-    paths only order their work differently when the cores are contended."""
-    _, result = run(tmp_path, "loaded", loaded=True)
-    assert weights(result) == quiet
-
-
-def test_sigkill_under_load_then_resume_under_load_is_exact(quiet, tmp_path):
+def test_a_run_killed_and_resumed_beside_a_busy_machine_ends_with_the_quiet_runs_weights(quiet_run, tmp_path):
+    """Long by design (a whole CLI run under a CPU burner, SIGKILLed in GRPO's round 3, then resumed
+    under load): the threaded code paths only order their work differently when the cores are
+    contended. The killed run trained SFT and GRPO's first rounds under load, the resumed one the
+    rest: SFT's weights are checked as the killed run left them, the rest at the end."""
+    _, quiet = quiet_run
     code, _ = run(tmp_path, "killed", fault="grpo_mid_round@3:kill", loaded=True)
     assert code == -signal.SIGKILL, f"expected the run to die of SIGKILL, got exit code {code}"
+    [sft] = (tmp_path / "sft").glob("*/manifest.json")
+    assert json.loads(sft.read_text())["result"]["state_hash"] == quiet["sft"]  # SFT under load
     _, result = run(tmp_path, "resumed", loaded=True)
     assert manifest(result, "grpo")["resumed_from_round"] == 2
     assert weights(result) == quiet
@@ -109,14 +110,18 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("overrides,env", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
-def test_grpo_under_load_matches_quiet(tmp_path, monkeypatch, overrides, env):
+def test_grpo_under_load_matches_quiet(quiet_run, monkeypatch, overrides, env):
     """Long by design: a quiet run and a loaded re-run of GRPO per variant, at the tiny preset's
-    model and micro-batch (smaller shapes let the unfixed code pass by luck, see above)."""
+    model and micro-batch (smaller shapes let the unfixed code pass by luck, see above). Data,
+    tokenizer and SFT come from the quiet run's folder; both GRPO runs are recomputed (a variant's
+    settings may share the quiet run's GRPO key: the torch-op kernels are not keyed)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    _, first = run(tmp_path, "quiet", overrides)
+    root, _ = quiet_run
+    _, first = run(root, "quiet", overrides, args=("--recompute", "grpo"))
     expected = weights(first)  # read now: the re-run commits its GRPO result to the same key
-    _, again = run(tmp_path, "loaded", overrides, args=("--recompute", "grpo"), loaded=True)
-    assert [(s["stage"], s["cache_hit"]) for s in again["stages"]][:3] == [
-        ("prepare_data", True), ("tokenizer", True), ("sft", True)]  # only GRPO and what follows ran again
+    _, again = run(root, "loaded", overrides, args=("--recompute", "grpo"), loaded=True)
+    for ran in (first, again):  # only GRPO and what follows ran again
+        assert [(s["stage"], s["cache_hit"]) for s in ran["stages"]][:5] == [
+            ("prepare_data", True), ("tokenizer", True), ("sft", True), ("eval", True), ("grpo", False)]
     assert weights(again) == expected
