@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tasks import lease
-from tasks.keys import code_version, extent, resolve
+from tasks.keys import KeyRule, code_version, extent, resolve
 from tasks.results import HOLDER_FILE, adopt_checkpoint, commit, damage, work_dir_for
 from tasks.stages import rule_for
 from tasks.tracking import MlflowLogger, TrackingRef, child_logger, prefect_logger
@@ -52,14 +52,15 @@ def run_stage(
     log = prefect_logger()
     t0 = time.perf_counter()
     recompute = stage in ref.recompute
-    where = resolve(cfg, stage, rule_for(stage), inputs)
+    rule = rule_for(stage)
+    where = resolve(cfg, stage, rule, inputs)
     if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
         return _cache_hit(stage, where, ref, t0)
     while True:
         key = where.key
         say = lambda msg: log.info("%s (key %s): %s", stage, key, msg)  # noqa: E731
         with lease.hold(where.folder, say, {"flow_run_id": ref.flow_run_id, "mlflow_run_id": ref.parent_run_id}) as held:
-            again = resolve(cfg, stage, rule_for(stage), inputs)  # another run may have committed it meanwhile
+            again = resolve(cfg, stage, rule, inputs)  # another run may have committed it meanwhile
             if again.folder != where.folder:  # ... and so moved this run's result to a folder of its own
                 where = again
                 continue
@@ -74,15 +75,16 @@ def run_stage(
                 fresh = True
             token = _held.set(held)
             try:
-                return _compute(stage, cfg, inputs, body, ref, where, held, fresh, t0)
+                return _compute(stage, rule, cfg, inputs, body, ref, where, held, fresh, t0)
             finally:
                 _held.reset(token)
 
 
-def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
+def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
              t0: float) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
+    span = extent(cfg, rule)
     work = work_dir_for(folder, holder=held.token, fresh=fresh)
     took_over = f"took over from {lease._describe(held.previous)}; " if held.previous else ""
     adopted = None
@@ -99,11 +101,11 @@ def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.Stag
     if where.continues_from is not None:
         if source:
             log.info("%s: %scontinuing the result at %s from %d to %d, from %s", stage, took_over, folder,
-                     where.continues_from, extent(cfg, rule_for(stage)), source)
+                     where.continues_from, span, source)
         else:  # checkpoints stay in the scratch folder of the machine that ran it (see UNCHECKED)
             log.warning("%s: %sextending the result at %s from %d to %d, but its checkpoints are not on this machine "
                         "(they stay in the scratch folder of the machine that computed it): computing the stage "
-                        "again from its input", stage, took_over, folder, where.continues_from, extent(cfg, rule_for(stage)))
+                        "again from its input", stage, took_over, folder, where.continues_from, span)
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
     elif fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
@@ -115,7 +117,7 @@ def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.Stag
                     "them; it ran on %s): restarting from the stage's input", stage, took_over,
                     held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
-    sections = rule_for(stage).sections  # the config sections the stage logs and records
+    sections = rule.sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
     try:
@@ -136,7 +138,7 @@ def _compute(stage, cfg, inputs, body, ref: TrackingRef, where, held: lease.Stag
         "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
-        "extent": extent(cfg, rule_for(stage)), **extra,
+        "extent": span, **extra,
     }
     commit(work, folder, manifest, replace=fresh)
     logger.log_metrics({f"{stage}/wall_seconds": wall})
