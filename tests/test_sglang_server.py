@@ -46,8 +46,9 @@ def free_base_port(n: int) -> int:
 
 def cpu_server_config(num_servers: int = 1, **kw) -> SGLangConfig:
     """The SGLang settings every CPU test server uses: CPU mode, the sgl_kernel stand-in on its path."""
+    kw = {"startup_timeout_s": 300, "request_timeout_s": 120, **kw}
     return SGLangConfig(device="cpu", num_servers=num_servers, base_port=free_base_port(num_servers),
-                        env={"PYTHONPATH": str(STANDIN)}, startup_timeout_s=300, request_timeout_s=120, **kw)
+                        env={"PYTHONPATH": str(STANDIN)}, **kw)
 
 
 def save_model(tok, out: Path, seed: int = 0) -> torch.nn.Module:
