@@ -178,7 +178,7 @@ def run_row(stage, cfg: RunConfig, results: dict[str, dict | None], ref: Trackin
     # Task Inputs) and a markdown artifact on the task run's page (values the UI does not show).
     def stage_task(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
         publish_inputs(stage.name, config, inputs)
-        return run_stage(stage.kind, cfg, stage.inputs_from(results), compute, ref)
+        return run_stage(stage.kind, cfg, stage.inputs_from(results), compute, ref, row=stage.name)
 
     if not stage.task:
         return stage_task(config, upstream)

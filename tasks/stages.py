@@ -150,15 +150,14 @@ def until(name: str | None) -> list[Stage]:
 
 
 def downstream(recompute: list[str] | tuple[str, ...] | frozenset[str]) -> frozenset[str]:
-    """The kinds to recompute: those named, and the kind of every row that reads (through any
-    number of rows) from a row of a named kind."""
+    """The rows to recompute, by name: every row of a named kind, and every row that reads (through
+    any number of rows) from one of those. Rows, not kinds: `--recompute grpo` recomputes the eval
+    of the GRPO policy, not the eval of the SFT policy before it, though both are evals."""
     unknown = [k for k in recompute if k not in kinds()]
     if unknown:
         raise KeyError(f"recompute: no stage {unknown}; the stages are {kinds()}")
-    tainted = set()  # row names
-    out = set(recompute)
+    tainted: set[str] = set()
     for s in STAGES:
-        if s.kind in out or any(src in tainted for src in s.inputs.values()):
+        if s.kind in recompute or any(src in tainted for src in s.inputs.values()):
             tainted.add(s.name)
-            out.add(s.kind)
-    return frozenset(out)
+    return frozenset(tainted)

@@ -48,9 +48,11 @@ def test_the_table_is_what_the_commands_keys_and_recompute_choices_come_from():
     assert list(stages.commands()) == ["prepare-data", "tokenizer", "sft", "grpo", "eval"]
     assert stages.kinds() == ["prepare_data", "tokenizer", "sft", "eval", "grpo", "control"]
     # a recompute takes every row that reads from it, through any number of rows
-    assert stages.downstream(["grpo"]) == {"grpo", "eval", "control"}
-    assert stages.downstream(["tokenizer"]) == {"tokenizer", "sft", "eval", "grpo", "control"}
-    assert stages.downstream(["eval"]) == {"eval"}
+    # (rows, not kinds: the SFT policy's eval does not read GRPO's result)
+    assert stages.downstream(["grpo"]) == {"grpo", "eval (grpo)", "control", "eval (control)"}
+    assert stages.downstream(["tokenizer"]) == {"tokenizer", "sft", "eval (sft)", "grpo", "eval (grpo)", "control",
+                                                "eval (control)"}
+    assert stages.downstream(["eval"]) == {"eval (sft)", "eval (grpo)", "eval (control)"}
     with pytest.raises(KeyError, match="no stage"):
         stages.downstream(["sfft"])
     assert stages.until_for("speedrun") is None and stages.until_for("eval") is None
