@@ -6,6 +6,7 @@ The reply below was recorded from sglang 0.5.23 (CPU mode, `/generate` with `inp
 `return_logprob: true`), trimmed to the fields the client reads plus a few it ignores.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -107,6 +108,23 @@ def test_launch_command_and_environment(monkeypatch):
     assert cmd[cmd.index("--device") + 1] == "cpu"
     assert cmd[cmd.index("--max-total-tokens") + 1] == str(CPU_DEFAULT_MAX_TOTAL_TOKENS)
     assert server_env(cpu, 0) == {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": "/x"}
+
+
+def test_cpu_servers_split_the_cores_between_them(monkeypatch):
+    """Each CPU-mode server gets its own share of the cores: two thread pools on the same cores ran
+    a round 15x slower (see server_cpus). One server, or GPU servers, keep what they were given."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    two = SGLangConfig(device="cpu", num_servers=2)
+    assert [server_env(two, i)["POSTTRAIN_SERVER_CPUS"] for i in (0, 1)] == ["0,1", "2,3,4"]
+    three = SGLangConfig(device="cpu", num_servers=3, cpus=[4, 5, 6, 7, 8, 9])
+    assert [server_env(three, i)["POSTTRAIN_SERVER_CPUS"] for i in (0, 1, 2)] == ["4,5", "6,7", "8,9"]
+    assert "POSTTRAIN_SERVER_CPUS" not in server_env(SGLangConfig(device="cpu"), 0)  # one server: unpinned
+    assert server_env(SGLangConfig(device="cpu", cpus=[1]), 0)["POSTTRAIN_SERVER_CPUS"] == "1"
+    crowded = SGLangConfig(device="cpu", num_servers=3, cpus=[0, 1])  # fewer cores than servers: all share them
+    assert {server_env(crowded, i)["POSTTRAIN_SERVER_CPUS"] for i in range(3)} == {"0,1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    gpu = SGLangConfig(num_servers=2, cpus=[0, 1, 2, 3])
+    assert {server_env(gpu, i)["POSTTRAIN_SERVER_CPUS"] for i in (0, 1)} == {"0,1,2,3"}
 
 
 def test_servers_take_their_gpus_from_the_inherited_visible_list(monkeypatch):

@@ -220,7 +220,8 @@ class SGLangConfig(Strict):
         "memory, except on device=cpu, where it is 8192 (SGLang would reserve about 14 GB)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for launched servers")
     cpus: list[int] = Field(default_factory=list, description="cores launched servers are pinned to (their "
-                            "threads included); empty: the cores this process may use")
+                            "threads included); empty: the cores this process may use. In CPU mode several "
+                            "servers split them, each its own contiguous share")
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="a /generate or weight update taking longer fails "
