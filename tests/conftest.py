@@ -58,6 +58,52 @@ def session_dir() -> Path:
     return _SESSION_DIR
 
 
+class MigratedStores:
+    """A Prefect database and an MLflow SQLite store, migrated once per pytest process and copied
+    for each test that starts Prefect or MLflow on a store of its own (tests/test_cli_server.py, the
+    `make serve` tests): a new store runs every migration first (Prefect's alone about 15 s of a
+    core on a slow machine), which is not what those tests test. Built when first asked for."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _built(self) -> Path:
+        prefect_db = self.root / "prefect" / "prefect.db"
+        if not prefect_db.exists():
+            import shutil
+
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            prefect_db.parent.mkdir(parents=True, exist_ok=True)
+            env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+            env["PREFECT_HOME"] = str(prefect_db.parent)
+            subprocess.run([str(Path(sys.executable).parent / "prefect"), "server", "database", "upgrade", "-y"],
+                           env=env, check=True, capture_output=True, timeout=600)
+            SqlAlchemyStore(f"sqlite:///{self.root / 'mlflow.db'}", str(self.root / "mlruns"))
+            shutil.rmtree(self.root / "mlruns", ignore_errors=True)
+        return self.root
+
+    def prefect_home(self, home: Path) -> Path:
+        """`home` as a PREFECT_HOME whose database is migrated."""
+        import shutil
+
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self._built() / "prefect" / "prefect.db", home / "prefect.db")
+        return home
+
+    def mlflow_db(self, path: Path) -> str:
+        """A migrated MLflow SQLite store at `path`; its tracking URI."""
+        import shutil
+
+        shutil.copyfile(self._built() / "mlflow.db", path)
+        return f"sqlite:///{path}"
+
+
+@pytest.fixture(scope="session")
+def migrated_stores() -> MigratedStores:
+    return MigratedStores(_SESSION_DIR / "migrated")
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(session_dir):
     """A BPE tokenizer trained on a few hundred synthetic problems."""
@@ -117,24 +163,26 @@ def smollm2(smollm2_gguf):
     return Path(folder), load_model(folder), load_tokenizer(folder)
 
 
-# The longest test files, longest first (their seconds under `make test`'s two workers on a 2-core
-# AMD EPYC, Zen 3, 2026-11-26): a file runs whole on one worker, in this order (`--dist loadfile
+# The longest test files, longest first (seconds measured on a 2-core AMD EPYC, Zen 3, 2026-11-26,
+# beside the other worker unless marked alone): a file runs whole on one worker, in this order (`--dist loadfile
 # --no-loadscope-reorder`; xdist would otherwise start the files with the most tests, the fast unit
 # files), so the long ones start first and the short ones even out the end. Tests keep their
 # order within a file; the rest follow in their usual order.
-LONGEST_FIRST = ["test_determinism_load",  # 998 s
-                 "test_deployments",       # 866
-                 "test_sglang_pipeline",   # 540
-                 "test_multirank",         # 507
+LONGEST_FIRST = ["test_determinism_load",  # about 690 s alone on a 2-core AVX2 EPYC
+                 "test_deployments",
+                 "test_multirank",         # 507 s beside the other worker
                  "test_async",             # 455
-                 "test_sglang_server",     # 357
-                 "test_concurrency", "test_resume_kill", "test_gpu_preset_path", "test_smollm2_sglang",
-                 "test_cli_server",        # 213
+                 "test_sglang_pipeline",
+                 "test_concurrency", "test_resume_kill",
                  "test_damaged_state",     # 211
                  "test_fastgen",           # 185
                  "test_s3",                # 173
+                 "test_smollm2_sglang",
                  "test_pipeline",          # 135
+                 "test_sglang_server",     # about 100 s alone
                  "test_answers",           # 108
+                 "test_gpu_preset_path",   # about 80 s alone
+                 "test_cli_server",        # about 50 s alone
                  ]
 
 

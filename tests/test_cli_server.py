@@ -16,18 +16,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli_command(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], dict[str, str], Path]:
-    """A small `posttrain prepare-data` with no Prefect API configured: command, environment, result."""
+def cli_command(tmp_path: Path, env: dict[str, str], stores) -> tuple[list[str], dict[str, str], Path]:
+    """A small `posttrain prepare-data` with no Prefect API configured: command, environment, result.
+    Its MLflow store and the Prefect database in PREFECT_HOME start migrated (conftest.MigratedStores)."""
     out = tmp_path / "result.json"
+    stores.prefect_home(Path(env["PREFECT_HOME"]))
+    mlflow_uri = stores.mlflow_db(tmp_path / "mlflow.db")
     cmd = [sys.executable, "-m", "flows.cli", "prepare-data", "--preset", "tiny", "--json", str(out),
            "--set", f"artifact_root={tmp_path / 'artifacts'}", "--set", "data.synthetic.n_train=200",
            "--set", "data.synthetic.n_test=20"]
     base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    return cmd, {**base, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **env}, out
+    return cmd, {**base, "MLFLOW_TRACKING_URI": mlflow_uri, **env}, out
 
 
-def run_cli(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
-    cmd, full_env, out = cli_command(tmp_path, env)
+def run_cli(tmp_path: Path, env: dict[str, str], stores) -> tuple[subprocess.CompletedProcess, Path]:
+    cmd, full_env, out = cli_command(tmp_path, env, stores)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300), out
 
 
@@ -36,8 +39,8 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path):
-    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")})
+def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path, migrated_stores):
+    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")}, migrated_stores)
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = re.search(r"temporary Prefect server on http://127\.0\.0\.1:(\d+)/api for this command", proc.stderr)
     assert m, proc.stderr[-4000:]
@@ -63,13 +66,13 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path):
     assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{m.group(1)}-*.log"))
 
 
-def test_the_server_of_a_sigkilled_command_stops_too(tmp_path):
+def test_the_server_of_a_sigkilled_command_stops_too(tmp_path, migrated_stores):
     """SIGKILL runs no exit handler: the server notices that its command is gone and shuts down."""
     import signal
     import tempfile
     import time
 
-    cmd, env, _ = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")})
+    cmd, env, _ = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")}, migrated_stores)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port = None
     for line in proc.stderr:  # printed once the server answers
@@ -88,22 +91,22 @@ def test_the_server_of_a_sigkilled_command_stops_too(tmp_path):
     assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{port}-*.log"))
 
 
-def test_a_server_in_the_prefect_profile_is_used_instead(tmp_path):
+def test_a_server_in_the_prefect_profile_is_used_instead(tmp_path, migrated_stores):
     home = tmp_path / "prefect"
     home.mkdir()
     # port 9 (discard) has no Prefect API: the command must fail trying to reach exactly this URL
     (home / "profiles.toml").write_text('active = "team"\n\n[profiles.team]\n'
                                         'PREFECT_API_URL = "http://127.0.0.1:9/api"\n')
-    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(home)})
+    proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(home)}, migrated_stores)
     assert proc.returncode != 0
     assert "temporary Prefect server" not in proc.stderr
     assert "127.0.0.1:9/api" in proc.stderr + proc.stdout, proc.stderr[-4000:]
     assert not out.exists()
 
 
-def test_a_ban_on_temporary_servers_is_prefects_error(tmp_path):
+def test_a_ban_on_temporary_servers_is_prefects_error(tmp_path, migrated_stores):
     proc, out = run_cli(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect"),
-                                   "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"})
+                                   "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}, migrated_stores)
     assert proc.returncode != 0
     assert "temporary Prefect server" not in proc.stderr
     assert "No Prefect API URL provided" in proc.stderr + proc.stdout, proc.stderr[-4000:]

@@ -30,10 +30,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, migrated_stores):
     from deployments.serve import start
 
-    home = tmp_path_factory.mktemp("prefect-home")
+    home = migrated_stores.prefect_home(tmp_path_factory.mktemp("prefect-home"))
     env = dict(os.environ, PREFECT_HOME=str(home))
     env.pop("PREFECT_API_URL", None)
     services = start(free_port(), free_port(), env=env, logs=home / "logs")
@@ -313,13 +313,13 @@ def test_serve_refuses_a_taken_port_and_binds_loopback(served, tmp_path):
     assert pool.concurrency_limit == 2
 
 
-def test_serve_stops_everything_on_sigterm_and_sighup(tmp_path):
+def test_serve_stops_everything_on_sigterm_and_sighup(tmp_path, migrated_stores):
     """`make serve` under a process manager: SIGTERM (systemd, supervisord, docker stop) or SIGHUP
     to the serve process stops the Prefect server, the worker and the MLflow server, within the
     grace period plus a margin, and frees their ports."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         ports = [free_port(), free_port()]
-        env = dict(os.environ, PREFECT_HOME=str(tmp_path / f"home-{sig.name}"))
+        env = dict(os.environ, PREFECT_HOME=str(migrated_stores.prefect_home(tmp_path / f"home-{sig.name}")))
         env.pop("PREFECT_API_URL", None)
         proc = subprocess.Popen([sys.executable, "-m", "deployments.serve", "--prefect-port", str(ports[0]),
                                  "--mlflow-port", str(ports[1])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
