@@ -225,6 +225,21 @@ def test_supervisor_kills_an_overrunning_launch(tmp_path):
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
 
 
+def test_a_launch_takes_its_rendezvous_file_with_it(tmp_path):
+    """The ranks of a launch on one machine meet through a file in the temp folder; once the launch
+    ends (here: its one rank wrote the store and no result) the file is gone, not left per run."""
+    from trainer.engine import RENDEZVOUS
+    from trainer.launch import LaunchError, LaunchPlan, supervise
+
+    store, seen = tmp_path / "posttrain-rendezvous-test", tmp_path / "seen"
+    child = (f"import os, shutil; open(os.environ['{RENDEZVOUS}'], 'w').write('store'); "
+             f"shutil.copy(os.environ['{RENDEZVOUS}'], {str(seen)!r})")
+    plan = LaunchPlan("sft", [sys.executable, "-c", child], 1, 1, 1, None, {RENDEZVOUS: str(store)})
+    with pytest.raises(LaunchError, match="wrote no"):
+        supervise(plan, tmp_path, lambda line: None, timeout_s=60)
+    assert seen.read_text() == "store" and not store.exists()
+
+
 def test_ranks_exit_when_the_supervising_process_is_killed(tmp_path):
     """The task's process killed outright (SIGKILL: no chance to clean up): the ranks notice their
     supervisor is gone and exit, and the launcher takes the rest down. Nothing is left running."""
@@ -286,7 +301,9 @@ def test_a_stale_torch_extension_lock_does_not_stall_the_process_group(tmp_path)
     run must still start (this hung CI for 90 minutes before DeepSpeed's shm op was skipped)."""
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "lock").touch()
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    temp = tmp_path / "temp"  # the one-rank group's rendezvous file: made here, gone when the process ends
+    temp.mkdir()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "TMPDIR": str(temp)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     code = "from trainer import engine; engine.init_distributed(); print('group', engine.world_size())"
@@ -296,6 +313,7 @@ def test_a_stale_torch_extension_lock_does_not_stall_the_process_group(tmp_path)
         pytest.fail("init_distributed waited on a stale lock in TORCH_EXTENSIONS_DIR")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "group 1" in out.stdout
+    assert not list(temp.glob("posttrain-rendezvous-*")), "the group's rendezvous file outlived its process"
 
 
 def test_a_zombie_supervisor_counts_as_gone():

@@ -204,19 +204,24 @@ def supervise(launch: LaunchPlan, work_dir: str | Path, on_line: Callable[[str],
     reader.start()
     t0 = time.monotonic()
     try:
-        while proc.poll() is None:
-            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                _kill_group(proc)
-                reader.join(timeout=5)
-                raise LaunchError(f"{launch.stage}: the {launch.world_size} DeepSpeed ranks did not finish within "
-                                  f"timeout_s={timeout_s:g}s; killed them. Last lines:\n" + "\n".join(list(tail)[-20:]))
-            watch.poll()
-            time.sleep(0.1)
-    except BaseException:  # cancellation (Prefect's TerminationSignal), KeyboardInterrupt, ...
-        _kill_group(proc)
-        raise
-    reader.join(timeout=10)
-    _kill_group(proc)  # nothing of the group may outlive the stage
+        try:
+            while proc.poll() is None:
+                if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                    _kill_group(proc)
+                    reader.join(timeout=5)
+                    raise LaunchError(f"{launch.stage}: the {launch.world_size} DeepSpeed ranks did not finish "
+                                      f"within timeout_s={timeout_s:g}s; killed them. Last lines:\n"
+                                      + "\n".join(list(tail)[-20:]))
+                watch.poll()
+                time.sleep(0.1)
+        except BaseException:  # cancellation (Prefect's TerminationSignal), KeyboardInterrupt, ...
+            _kill_group(proc)
+            raise
+        reader.join(timeout=10)
+        _kill_group(proc)  # nothing of the group may outlive the stage
+    finally:  # the group is gone: its rendezvous file (in the temp folder, one per launch) goes too
+        if launch.env.get(RENDEZVOUS):
+            Path(launch.env[RENDEZVOUS]).unlink(missing_ok=True)
     lines = list(tail)
     if proc.returncode != 0:
         raise LaunchError(f"{launch.stage}: DeepSpeed launcher exited with code {proc.returncode}: "
