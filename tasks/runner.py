@@ -43,17 +43,18 @@ def run_stage(
     inputs: dict[str, dict | None],
     body: Callable[[Path, MlflowLogger], dict[str, Any]],
     ref: TrackingRef,
-    row: str | None = None,
+    *,
+    row: str,
 ) -> dict[str, Any]:
     """Return the stage's manifest: from cache if committed, else by running `body`. `row` names
-    the table's row (`ref.recompute` holds row names; the kind by default).
+    the table's row (`ref.recompute` holds row names: rows of one kind share its folders).
 
     `body(work_dir, logger)` writes its files into work_dir and returns {"metrics": {...}, ...};
     the runner uploads the folder (for s3:// roots) and commits the manifest last. One run at a
     time computes a folder (tasks/lease.py): the others wait and then take its result."""
     log = prefect_logger()
     t0 = time.perf_counter()
-    recompute = (row or stage) in ref.recompute
+    recompute = row in ref.recompute
     rule = rule_for(stage)
     where = resolve(cfg, stage, rule, inputs)
     if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):

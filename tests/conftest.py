@@ -8,6 +8,7 @@ a server start (about 15 s of a core on a slow machine). The tests of the tempor
 (tests/test_cli_server.py) and of `make serve` (tests/test_deployments.py) run their own."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,8 +71,6 @@ class MigratedStores:
     def _built(self) -> Path:
         prefect_db = self.root / "prefect" / "prefect.db"
         if not prefect_db.exists():
-            import shutil
-
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
             prefect_db.parent.mkdir(parents=True, exist_ok=True)
@@ -85,16 +84,12 @@ class MigratedStores:
 
     def prefect_home(self, home: Path) -> Path:
         """`home` as a PREFECT_HOME whose database is migrated."""
-        import shutil
-
         home.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self._built() / "prefect" / "prefect.db", home / "prefect.db")
         return home
 
     def mlflow_db(self, path: Path) -> str:
         """A migrated MLflow SQLite store at `path`; its tracking URI."""
-        import shutil
-
         shutil.copyfile(self._built() / "mlflow.db", path)
         return f"sqlite:///{path}"
 
