@@ -75,7 +75,7 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     spec = work / launch.SPEC
     plan = launch.plan(stage, ds, spec, port=ds.master_port or 29500)
     port_note = "" if ds.master_port else " (port: a free one is picked at launch)"
-    return [f"  DeepSpeed launcher: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
+    return [f"  DeepSpeed: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
             f"{port_note}", f"  $ {shlex.join(plan.command)}"]
 
 

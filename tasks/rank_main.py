@@ -1,6 +1,7 @@
-"""One rank of a stage launched by the DeepSpeed launcher (see trainer.launch).
+"""One rank of a launched stage (see trainer.launch):
 
-    python -m deepspeed.launcher.runner --num_gpus N ... --module tasks.rank_main --spec <work>/launch_spec.json
+    python -m trainer.local_launch --nprocs N ... -- python -u -m tasks.rank_main --spec <work>/launch_spec.json
+    python -m deepspeed.launcher.runner --hostfile H ... --module tasks.rank_main --spec <work>/launch_spec.json
 
 Every rank runs the same stage body as the one-rank path; rank 0 logs to the stage's MLflow run
 and writes `launch_result.json` last, which the supervising task reads.
@@ -46,7 +47,7 @@ def run_body(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tasks.rank_main")
     parser.add_argument("--spec", required=True, help="launch_spec.json written by the stage's task")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the DeepSpeed launcher")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher")
     args = parser.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
 

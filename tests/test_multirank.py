@@ -1,5 +1,5 @@
-"""DeepSpeed across ranks, for real: 2 CPU ranks over gloo under the DeepSpeed launcher, started
-and supervised by the stage's Prefect task.
+"""DeepSpeed across ranks, for real: 2 CPU ranks over gloo, started by trainer.local_launch (DeepSpeed's
+launcher's environment) and supervised by the stage's Prefect task.
 
 - SFT and GRPO losses over the first steps match the one-rank run with the same global batch
   (SFT: 1 rank x 2 micro-batches of 8 vs 2 ranks x 1 of 8; GRPO: the same rollouts, shared
@@ -222,6 +222,63 @@ def test_supervisor_kills_an_overrunning_launch(tmp_path):
     assert lines == ["started"]
     time.sleep(0.5)
     assert not _no_rank_left(marker)
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+
+def test_the_local_launcher_gives_each_rank_its_place_and_stops_the_rest_when_one_fails(tmp_path):
+    """trainer.local_launch: each rank gets DeepSpeed's launcher environment and `--local_rank`;
+    when rank 1 exits 3, the others are stopped (rank 0 would sleep for 10 minutes), the launcher
+    says so in the words the supervisor reads, and exits 3. A launch whose ranks all exit 0 exits 0."""
+    from trainer.launch import _RankWatch
+
+    # each rank records its arguments and environment; rank 1 fails once all three have
+    rank = ("import json, os, sys, time; "
+            f"d = {str(tmp_path)!r}; "
+            "open(os.path.join(d, 'rank' + os.environ['LOCAL_RANK']), 'w').write(json.dumps("
+            f"[sys.argv[1:], {{k: os.environ[k] for k in {RANK_ENV!r}}}])); "
+            "t = time.monotonic(); "
+            "[time.sleep(0.05) for _ in iter(lambda: len([f for f in os.listdir(d) if f.startswith('rank')]) < 3 "
+            "and time.monotonic() - t < 60, False)]; "
+            "sys.exit(int(sys.argv[2])) if os.environ['RANK'] == '1' else time.sleep(float(sys.argv[3]))")
+    launch = [sys.executable, "-m", "trainer.local_launch", "--nprocs", "3", "--master_port", "29999", "--",
+              sys.executable, "-c", rank]
+    t0 = time.perf_counter()
+    out = subprocess.run([*launch, "x", "3", "600"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert time.perf_counter() - t0 < 60  # not rank 0's 600 s: it was stopped
+    for i in range(3):
+        args, env = json.loads((tmp_path / f"rank{i}").read_text())
+        assert args == ["x", "3", "600", f"--local_rank={i}"]
+        assert env == {"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": "3", "LOCAL_SIZE": "3",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    watch = _RankWatch(tmp_path)
+    for line in out.stdout.splitlines():
+        watch.saw(line)
+    assert sorted(watch.pids) == [0, 1, 2] and watch.cleanup_at is not None
+    assert "exits with return code = 3" in out.stdout
+    # the launcher names the rank that failed first: the supervisor need not have seen it go
+    assert watch.describe(out.stdout.splitlines()).startswith(f"local rank 1 (pid {watch.pids[1]})")
+    assert not [p for p in watch.pids.values() if psutil.pid_exists(p)]
+
+    ok = subprocess.run([*launch, "x", "0", "0"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.count("exits successfully") == 3, ok.stdout + ok.stderr
+
+
+def test_the_local_launcher_stops_its_ranks_on_sigterm(tmp_path):
+    import signal
+
+    marker = f"sigterm-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.local_launch", "--nprocs", "2", "--master_port", "29999",
+                             "--", sys.executable, "-c", "import time; time.sleep(600)", marker],
+                            stdout=subprocess.PIPE, text=True)
+    spawned = [proc.stdout.readline() for _ in range(2)]
+    assert all("spawned with command" in line for line in spawned), spawned
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 1
+    assert "Killing subprocess" in proc.stdout.read()
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
 
 

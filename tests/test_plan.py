@@ -1,5 +1,5 @@
 """`--dry-run`: the GPU preset validates here (no GPU, no sglang) and prints its launch plan:
-DeepSpeed launcher command lines with their ranks and SGLang server commands with their GPUs.
+launch command lines with their ranks and SGLang server commands with their GPUs.
 Bad paths are named; nothing is started or written."""
 
 import pytest
@@ -42,9 +42,9 @@ def test_gpu_preset_offline_override(tmp_path, capsys):
 def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
     code, out = dry(tmp_path, capsys, *GPU8)
     assert code == 0, out
-    assert "DeepSpeed launcher: 8 ranks = 8 per node x 1 node(s)" in out
-    assert "-m deepspeed.launcher.runner --master_addr 127.0.0.1 --num_gpus 8" in out
-    assert "--num_gpus 4" in out and "--module tasks.rank_main --spec" in out
+    assert "DeepSpeed: 8 ranks = 8 per node x 1 node(s)" in out
+    assert "-m trainer.local_launch --nprocs 8 --master_addr 127.0.0.1 --master_port 29500 -- " in out
+    assert "--nprocs 4" in out and "-m tasks.rank_main --spec" in out
     for gpu, port in zip(range(4, 8), range(30000, 30004)):
         assert f"CUDA_VISIBLE_DEVICES={gpu} " in out and f"--port {port}" in out
     assert "shared by training ranks" not in out

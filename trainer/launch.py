@@ -1,12 +1,13 @@
-"""Run a training stage under the DeepSpeed launcher and supervise it.
+"""Run a training stage's ranks under a launcher and supervise them.
 
 The stage's task writes a spec (config, input manifests, MLflow run) into the work folder, then
-starts `python -m deepspeed.launcher.runner ... --module tasks.rank_main --spec <file>` in a
-process group of its own. The supervisor streams the launcher's output line by line into the
-run's log, kills the whole group on timeout, cancellation or any error in the caller (SIGTERM,
-then SIGKILL after a grace period), and turns a rank's crash into `LaunchError` naming the
-failed rank and its last lines. Rank 0 writes `launch_result.json`; only a run that exits 0 with
-that file is a success.
+starts `python -m trainer.local_launch --nprocs N ... -- python -m tasks.rank_main --spec <file>`
+(ranks on this machine) or `python -m deepspeed.launcher.runner --hostfile ... --module
+tasks.rank_main --spec <file>` (several machines) in a process group of its own. The supervisor
+streams the launcher's output line by line into the run's log, kills the whole group on timeout,
+cancellation or any error in the caller (SIGTERM, then SIGKILL after a grace period), and turns a
+rank's crash into `LaunchError` naming the failed rank and its last lines. Rank 0 writes
+`launch_result.json`; only a run that exits 0 with that file is a success.
 
 `plan()` is also what `posttrain ... --dry-run` prints: the exact command lines, without running.
 """
@@ -56,27 +57,31 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        where = f"{self.nodes} nodes from {self.hostfile}" if self.hostfile else "this machine"
-        return (f"{self.stage}: DeepSpeed launcher, {self.world_size} ranks "
-                f"({self.ranks_per_node} per node on {where})\n  $ {shlex.join(self.command)}")
+        if self.hostfile:
+            return (f"{self.stage}: DeepSpeed launcher, {self.world_size} ranks ({self.ranks_per_node} per node on "
+                    f"{self.nodes} nodes from {self.hostfile})\n  $ {shlex.join(self.command)}")
+        return (f"{self.stage}: {self.world_size} DeepSpeed ranks on this machine (trainer.local_launch)\n"
+                f"  $ {shlex.join(self.command)}")
 
 
 def plan(stage: str, ds: DeepSpeedConfig, spec_path: str | Path, port: int | None = None) -> LaunchPlan:
-    """The launcher command for `stage`'s ranks; checks the hostfile exists."""
+    """The launcher command for `stage`'s ranks; checks the hostfile exists. Ranks on this machine
+    alone are started by trainer.local_launch (DeepSpeed's launcher's environment, without its two
+    processes that import DeepSpeed first); several machines go through DeepSpeed's runner."""
     if ds.hostfile is not None and not Path(ds.hostfile).is_file():
         raise InputError(f"{stage}.deepspeed.hostfile={ds.hostfile!r} does not exist; point it at a DeepSpeed "
                          "hostfile with one 'hostname slots=N' line per machine")
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    port = port or ds.master_port or free_port()
+    rank = [sys.executable, "-u", "-m", "tasks.rank_main", "--spec", str(spec_path)]
     if ds.hostfile:
-        cmd += ["--hostfile", ds.hostfile, "--num_nodes", str(ds.nodes)]
-    else:
-        cmd += ["--master_addr", "127.0.0.1"]
-    cmd += ["--num_gpus", str(ds.ranks_per_node),
-            "--master_port", str(port or ds.master_port or free_port()),
-            "--module", "tasks.rank_main", "--spec", str(spec_path)]
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", ds.hostfile,
+               "--num_nodes", str(ds.nodes), "--num_gpus", str(ds.ranks_per_node), "--master_port", str(port),
+               "--module", *rank[3:]]
+        return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile, {})
+    cmd = [sys.executable, "-u", "-m", "trainer.local_launch", "--nprocs", str(ds.ranks_per_node),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "--", *rank]
     # ranks on this machine alone meet through a file and gloo over loopback (trainer.engine)
-    env = {} if ds.hostfile else {RENDEZVOUS: rendezvous_file()}
-    return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile, env)
+    return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, None, {RENDEZVOUS: rendezvous_file()})
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -104,6 +109,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 _EXIT_CODE = re.compile(r"exits with return code = (-?\d+)")
 _SPAWNED = re.compile(r"process (\d+) spawned with command: .*--local_rank=(\d+)")
+_FAILED_FIRST = re.compile(r"local rank (\d+) \(pid \d+\) failed first")  # trainer.local_launch says which
 
 
 STATUS_DIR = "rank_status"
@@ -128,6 +134,8 @@ class _RankWatch:
     def saw(self, line: str) -> None:
         if m := _SPAWNED.search(line):
             self.pids[int(m.group(2))] = int(m.group(1))
+        elif m := _FAILED_FIRST.search(line):
+            self.dead_at.setdefault(int(m.group(1)), time.monotonic())
         elif "Killing subprocess" in line and self.cleanup_at is None:
             self.cleanup_at = time.monotonic()
 
@@ -224,7 +232,7 @@ def supervise(launch: LaunchPlan, work_dir: str | Path, on_line: Callable[[str],
             Path(launch.env[RENDEZVOUS]).unlink(missing_ok=True)
     lines = list(tail)
     if proc.returncode != 0:
-        raise LaunchError(f"{launch.stage}: DeepSpeed launcher exited with code {proc.returncode}: "
+        raise LaunchError(f"{launch.stage}: the launcher exited with code {proc.returncode}: "
                           f"{watch.describe(lines)}. Last lines:\n" + "\n".join(lines[-30:]))
     if not result_path.is_file():
         raise LaunchError(f"{launch.stage}: the ranks exited 0 but rank 0 wrote no {RESULT}. Last lines:\n"
