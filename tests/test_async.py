@@ -169,7 +169,7 @@ def test_bad_async_settings_stop_before_the_run(overrides, field):
 # ---------------------------------------------------------------- through the real CLI
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path):
+def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path, small_sft):
     """`posttrain speedrun` with async_steps=1, SIGKILLed (with its process group: the rollout
     process, Prefect's temporary server) at a random moment after its first GRPO round (a round, a
     checkpoint waiting for the batches in flight, the export), then run again: the same weights
@@ -187,8 +187,10 @@ def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path)
         "grpo.rounds=6", "rollout.async_steps=1", "rollout.over_sample=2", "rollout.prompts_per_round=16",
         "rollout.n_samples_per_prompt=8", "rollout.max_response_tokens=64", "rollout.min_response_tokens=64",
         "grpo.micro_batch_size=64"]
+    from tests.seeded import seed as copy_results
+
     ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    ref.mkdir(), killed.mkdir()
+    copy_results(small_sft, ref), copy_results(small_sft, killed)  # both start from the session's SFT: GRPO is what is compared
     run_cli(ref, ref / "result.json", overrides=overrides)
     reference = json.loads((ref / "result.json").read_text())
     ref_history = [json.loads(x) for x in
@@ -226,13 +228,15 @@ def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_failed_async_stage_leaves_no_rollout_process(tmp_path):
+def test_a_failed_async_stage_leaves_no_rollout_process(tmp_path, small_sft):
     """An exception mid-round through the real CLI: the stage fails, and the rollout process it
     started (its pid from the stage's log) is gone with it."""
     import re
 
+    from tests.seeded import seed
     from tests.test_resume_kill import OVERRIDES as SMALL, run_cli
 
+    seed(small_sft, tmp_path)
     code, _ = run_cli(tmp_path, tmp_path / "failed.json", "grpo_mid_round@3:raise",
                       overrides=SMALL + ["rollout.async_steps=1"])
     log = (tmp_path / "failed.log").read_text()

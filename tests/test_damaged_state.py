@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.seeded import seed
 from tests.test_pipeline import SMALL
 
 pytestmark = pytest.mark.slow
@@ -35,9 +36,10 @@ def stage(result: dict, name: str) -> dict:
 
 
 @pytest.fixture
-def done(tmp_path):
-    """A finished SFT (and its data and tokenizer) on a root of its own."""
-    result = sft_run(tmp_path)
+def done(tmp_path, small_sft):
+    """A finished SFT (and its data and tokenizer) on a root of its own: a copy of the session's."""
+    result = sft_run(seed(small_sft, tmp_path))
+    assert [s["cache_hit"] for s in result["stages"]] == [True] * 3
     return tmp_path, result
 
 

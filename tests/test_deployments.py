@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.seeded import seed
 from tests.test_pipeline import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,10 +123,11 @@ def test_server_rejects_invalid_parameters(served, params, field):
     assert field in str(exc.value) or "alidation" in str(exc.value)
 
 
-def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served, tmp_path):
+def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served, tmp_path, small_sft):
     """Long: three flow runs through the real worker (each a process of its own that imports torch,
-    DeepSpeed, Prefect and MLflow), what a user's Run and Retry buttons do."""
-    overrides = SMALL + [f"artifact_root={tmp_path / 'artifacts'}"]
+    DeepSpeed, Prefect and MLflow), what a user's Run and Retry buttons do. The data, tokenizer and
+    SFT are the session's (cache hits): the runs compute the evals and GRPO."""
+    overrides = SMALL + [f"artifact_root={seed(small_sft, tmp_path / 'artifacts')}"]
     run = trigger(served, "speedrun/speedrun", {"preset": "tiny", "overrides": overrides})
     run = wait_final(served, run.id)
     assert run.state.is_completed(), run.state
@@ -160,10 +162,12 @@ def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served,
     assert grpo.data.tags["resumed_from_round"] == "2"
 
 
-def test_nightly_triggered_twice_at_once_runs_one_at_a_time(served, tmp_path):
+def test_nightly_triggered_twice_at_once_runs_one_at_a_time(served, tmp_path, small_sft):
     """The nightly deployment's concurrency limit (1, ENQUEUE): the second run waits for a slot while
-    the first runs, then completes with every stage from cache."""
-    params = {"preset": "tiny", "nightly": True, "overrides": SMALL + [f"artifact_root={tmp_path / 'artifacts'}"]}
+    the first runs (its evals and GRPO; the data, tokenizer and SFT are the session's), then completes
+    with every stage from cache."""
+    root = seed(small_sft, tmp_path / "artifacts")
+    params = {"preset": "tiny", "nightly": True, "overrides": SMALL + [f"artifact_root={root}"]}
     first = trigger(served, "speedrun/speedrun-nightly", params)
     second = trigger(served, "speedrun/speedrun-nightly", params)
     waited = set()
@@ -273,7 +277,7 @@ def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, 
     """Long: a 2-rank SFT launched by a worker's flow run, cancelled through the API once a
     checkpoint commits, then run again; only a real launch shows every rank gone."""
     root = tmp_path / "artifacts"
-    overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.max_steps=400",
+    overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.max_steps=250",
                          "sft.checkpoint_every=5", "sft.micro_batch_size=8"]
     cancelled, gone, folder, steps = cancel_mid_stage(served, "sft/sft", "sft", root, overrides)
     print(f"\nmid-SFT (2 ranks): Cancelled after {cancelled:.1f}s, every process gone after {gone:.1f}s; "
@@ -284,12 +288,12 @@ def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, 
     assert manifest["result"]["resumed_from_step"] == steps[-1]
 
 
-def test_cancel_mid_grpo_stops_its_sglang_servers_then_rerun_resumes(served, tmp_path):
+def test_cancel_mid_grpo_stops_its_sglang_servers_then_rerun_resumes(served, tmp_path, small_sft):
     """Long: two SGLang CPU server starts (about a minute each on 2 cores) inside worker flow runs;
     a server outliving its cancelled run is what this guards against, and only a real one shows it."""
     from tests.test_sglang_pipeline import OVERRIDES as SGLANG
 
-    root = tmp_path / "artifacts"
+    root = seed(small_sft, tmp_path / "artifacts")  # the session's data, tokenizer and SFT: GRPO is tested here
     overrides = [o for o in SGLANG if not o.startswith("grpo.rounds=")] + [f"artifact_root={root}", "grpo.rounds=50"]
     cancelled, gone, folder, rounds = cancel_mid_stage(served, "grpo/grpo", "grpo", root, overrides)
     print(f"\nmid-GRPO (SGLang server): Cancelled after {cancelled:.1f}s, every process gone after {gone:.1f}s; "

@@ -114,9 +114,12 @@ def test_grpo_under_load_matches_quiet(quiet_run, monkeypatch, overrides, env):
     """Long by design: a quiet run and a loaded re-run of GRPO per variant, at the tiny preset's
     model and micro-batch (smaller shapes let the unfixed code pass by luck, see above). Data,
     tokenizer and SFT come from the quiet run's folder; both GRPO runs are recomputed (a variant's
-    settings may share the quiet run's GRPO key: the torch-op kernels are not keyed)."""
+    settings may share the quiet run's GRPO key: the torch-op kernels are not keyed), for 2 rounds
+    (2 updates of 2 mini-batches each) where the quiet run trains 4: the variants' quiet/loaded pairs
+    differ in how threads and ranks order their sums, which every update exercises."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    overrides = [*overrides, "grpo.rounds=2"]
     root, _ = quiet_run
     _, first = run(root, "quiet", overrides, args=("--recompute", "grpo"))
     expected = weights(first)  # read now: the re-run commits its GRPO result to the same key

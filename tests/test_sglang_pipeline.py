@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from tests.seeded import seed
 from tests.test_pipeline import SMALL
 from tests.test_resume_kill import run_cli as _run_cli
 from tests.test_sglang_server import STANDIN, free_base_port
@@ -61,7 +62,8 @@ def grpo_manifest(result: dict) -> dict:
     return json.loads((Path(s["uri"]) / "manifest.json").read_text())
 
 
-def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
+def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path, small_sft):
+    seed(small_sft, tmp_path)  # the session's data, tokenizer and SFT: this file tests GRPO on SGLang
     assert run_cli(tmp_path, tmp_path / "result.json", extra=("eval.engine=rollout",)) == 0
     assert_no_server_left(within_s=5)
     result = json.loads((tmp_path / "result.json").read_text())
@@ -88,14 +90,16 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path):
                   "time/round_seconds")))
 
 
-def test_exception_mid_round_stops_the_servers(tmp_path):
+def test_exception_mid_round_stops_the_servers(tmp_path, small_sft):
+    seed(small_sft, tmp_path)
     code = run_cli(tmp_path, tmp_path / "result.json", fault="grpo_mid_round@2:raise")
     assert code != 0
     assert "injected fault at grpo_mid_round 2" in (tmp_path / "result.log").read_text()
     assert_no_server_left(within_s=5)
 
 
-def test_sigkill_mid_grpo_leaves_no_server_and_rerun_resumes(tmp_path):
+def test_sigkill_mid_grpo_leaves_no_server_and_rerun_resumes(tmp_path, small_sft):
+    seed(small_sft, tmp_path)
     code = run_cli(tmp_path, tmp_path / "killed.json", fault="grpo_after_update@2:kill")
     assert code == -signal.SIGKILL
     seconds = assert_no_server_left(within_s=15)
@@ -130,11 +134,12 @@ def torch_load_client_state(tag_dir: Path) -> dict:
     raise AssertionError(f"no client state in {tag_dir}: {[f.name for f in tag_dir.iterdir()]}")
 
 
-def test_async_rounds_on_two_ranks_failed_then_resumed_train_each_batch_once(tmp_path):
+def test_async_rounds_on_two_ranks_failed_then_resumed_train_each_batch_once(tmp_path, small_sft):
     """async_steps=1 with two DeepSpeed ranks sharing the task's SGLang server: failed after round
     2's update (its checkpoint not written), the re-run resumes from round 1's checkpoint with the
     batches it held, and trains rounds 2 and 3 once each, from the scheduled versions."""
     overrides = OVERRIDES + ["rollout.async_steps=1", "grpo.deepspeed.ranks_per_node=2", "rollout.batch_size=8"]
+    seed(small_sft, tmp_path)
     code = _run_cli(tmp_path, tmp_path / "killed.json", "grpo_after_update@2:raise", overrides=overrides)[0]
     assert code != 0
     assert_no_server_left(within_s=15)
