@@ -173,20 +173,20 @@ def smollm2(smollm2_gguf):
 
 
 # The longest test files, longest first (seconds measured on a 2-core AMD EPYC, Zen 3, 2026-11-26,
-# beside the other worker unless marked alone): a file runs whole on one worker, in this order (`--dist loadfile
+# beside the other worker): a file runs whole on one worker, in this order (`--dist loadfile
 # --no-loadscope-reorder`; xdist would otherwise start the files with the most tests, the fast unit
 # files), so the long ones start first and the short ones even out the end. Tests keep their
 # order within a file; the rest follow in their usual order.
-LONGEST_FIRST = ["test_determinism_load",  # about 690 s alone on a 2-core AVX2 EPYC
-                 "test_deployments",
-                 "test_multirank",         # 507 s beside the other worker
-                 "test_async",             # 455
-                 "test_sglang_pipeline",
+LONGEST_FIRST = ["test_determinism_load",  # about 1150 before its variants went to 2 rounds
+                 "test_deployments",       # 915
+                 "test_sglang_pipeline",   # 833
+                 "test_async",             # 420
+                 "test_multirank",         # about 350
                  "test_concurrency", "test_resume_kill",
-                 "test_damaged_state",     # 211
                  "test_fastgen",           # 185
                  "test_s3",                # 173
                  "test_smollm2_sglang",
+                 "test_damaged_state",     # about 110
                  "test_pipeline",          # 135
                  "test_sglang_server",     # about 100 s alone
                  "test_answers",           # 108

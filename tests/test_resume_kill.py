@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(root: Path, out: Path, fault: str | None = None, timeout: float = 600,
-            overrides: list[str] | None = None, preset: str = "tiny", args: tuple[str, ...] = ()) -> tuple[int, float]:
-    """`posttrain speedrun ARGS` in its own process (session); OVERRIDES unless others are given."""
+            overrides: list[str] | None = None, preset: str = "tiny", args: tuple[str, ...] = (),
+            command: str = "speedrun") -> tuple[int, float]:
+    """`posttrain COMMAND ARGS` in its own process (session); OVERRIDES unless others are given."""
     env = dict(os.environ)
     env.pop("POSTTRAIN_FAULT", None)
     if fault:
         env["POSTTRAIN_FAULT"] = fault
-    cmd = [sys.executable, "-m", "flows.cli", "speedrun", "--preset", preset, "--json", str(out),
+    cmd = [sys.executable, "-m", "flows.cli", command, "--preset", preset, "--json", str(out),
            "--set", f"artifact_root={root}", *args]
     for o in OVERRIDES if overrides is None else overrides:
         cmd += ["--set", o]

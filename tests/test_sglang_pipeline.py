@@ -27,12 +27,13 @@ OVERRIDES = [o for o in SMALL if not o.startswith(("grpo.rounds=", "grpo.checkpo
     f"rollout.sglang.base_port={PORT}", f"rollout.sglang.env={{PYTHONPATH: {STANDIN}}}",
     "rollout.sglang.startup_timeout_s=300",
     # the eval stages answer by HF generate: a server start (about 40 s alone on 2 cores) per eval stage
-    # would double these tests; the first test keeps them on SGLang and checks they were answered there
+    # would double these tests; the first test keeps its one on SGLang and checks it was answered there
     "eval.engine=hf"]
 
 
-def run_cli(root: Path, out: Path, fault: str | None = None, extra: tuple[str, ...] = ()) -> int:
-    return _run_cli(root, out, fault, overrides=OVERRIDES + list(extra))[0]
+def run_cli(root: Path, out: Path, fault: str | None = None, extra: tuple[str, ...] = (),
+            command: str = "speedrun") -> int:
+    return _run_cli(root, out, fault, overrides=OVERRIDES + list(extra), command=command)[0]
 
 
 def server_processes() -> list[int]:
@@ -63,8 +64,10 @@ def grpo_manifest(result: dict) -> dict:
 
 
 def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path, small_sft):
+    """`posttrain grpo` (the pipeline up to GRPO: the SFT policy's eval stage, then GRPO) with the
+    eval stages on SGLang too: two server launches, one per stage."""
     seed(small_sft, tmp_path)  # the session's data, tokenizer and SFT: this file tests GRPO on SGLang
-    assert run_cli(tmp_path, tmp_path / "result.json", extra=("eval.engine=rollout",)) == 0
+    assert run_cli(tmp_path, tmp_path / "result.json", extra=("eval.engine=rollout",), command="grpo") == 0
     assert_no_server_left(within_s=5)
     result = json.loads((tmp_path / "result.json").read_text())
     m = grpo_manifest(result)
@@ -81,7 +84,7 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path, small_sft):
     assert len(gen_tps) == 3 and all(h.value > 0 for h in gen_tps)
     evals = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
                                "and tags.`posttrain.stage` LIKE 'eval%'")
-    assert evals and all(r.data.tags["posttrain.answered_by"] == "sglang" for r in evals)  # not HF generate
+    assert len(evals) == 1 and evals[0].data.tags["posttrain.answered_by"] == "sglang"  # not HF generate
     periodic = client.get_metric_history(run.info.run_id, "eval/accuracy")
     assert periodic  # the periodic evals ran (through the servers: trainer.evaluate passes the engine)
     print("\nSGLang rounds: " + ", ".join(
