@@ -72,14 +72,14 @@ def plan(stage: str, ds: DeepSpeedConfig, spec_path: str | Path, port: int | Non
         raise InputError(f"{stage}.deepspeed.hostfile={ds.hostfile!r} does not exist; point it at a DeepSpeed "
                          "hostfile with one 'hostname slots=N' line per machine")
     port = port or ds.master_port or free_port()
-    rank = [sys.executable, "-u", "-m", "tasks.rank_main", "--spec", str(spec_path)]
+    module = ["tasks.rank_main", "--spec", str(spec_path)]
     if ds.hostfile:
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", ds.hostfile,
                "--num_nodes", str(ds.nodes), "--num_gpus", str(ds.ranks_per_node), "--master_port", str(port),
-               "--module", *rank[3:]]
+               "--module", *module]
         return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, ds.hostfile, {})
     cmd = [sys.executable, "-u", "-m", "trainer.local_launch", "--nprocs", str(ds.ranks_per_node),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "--", *rank]
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "--", sys.executable, "-u", "-m", *module]
     # ranks on this machine alone meet through a file and gloo over loopback (trainer.engine)
     return LaunchPlan(stage, cmd, ds.world_size, ds.ranks_per_node, ds.nodes, None, {RENDEZVOUS: rendezvous_file()})
 

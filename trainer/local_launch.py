@@ -36,7 +36,6 @@ def _say(line: str) -> None:
 
 class Ranks:
     def __init__(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
-        self.command = command
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
         env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(nprocs),
                    LOCAL_SIZE=str(nprocs), CROSS_RANK="0", CROSS_SIZE="1")
