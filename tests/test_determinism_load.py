@@ -3,21 +3,26 @@ load than the run it resumes, so exact resume needs every run of a config to end
 bytes, busy machine or quiet.
 
 Each case runs the real CLI (its own process, Prefect's temporary server, MLflow on SQLite) once
-on a quiet machine and once beside processes that keep every core busy (a Python busy loop and a
-torch matmul loop on all threads), and compares the weights' hashes bit for bit: a run SIGKILLed
-mid-round under load and resumed under load (SFT and every GRPO round trained under load), and
-GRPO alone with kernels off, ZeRO-3 on one rank and ZeRO-2 on two gloo ranks. The shapes are big enough that torch's threaded code paths run (its CPU
-`index_put_` with accumulate, for one, goes multi-threaded with atomics past 32,768 elements):
-without `trainer.engine.deterministic` and the `index_select` gathers of the shared-prompt passes,
-the loaded runs here ended with other weights than the quiet ones (docs/reproducibility.md).
+quietly and once squeezed: the same threads (OMP_NUM_THREADS=2 in both) on one core, as on a
+machine whose other cores are taken, so the scheduler preempts the run's own threads in the middle
+of its threaded ops. It compares the weights' hashes bit for bit: a run SIGKILLed mid-round squeezed
+and resumed squeezed (SFT and every GRPO round trained so), and GRPO alone with kernels off, ZeRO-3
+on one rank and ZeRO-2 on two gloo ranks. The shapes are big enough that torch's threaded code paths
+run (its CPU `index_put_` with accumulate, for one, goes multi-threaded with atomics past 32,768
+elements): without `trainer.engine.deterministic` and the `index_select` gathers of the
+shared-prompt passes, loaded runs ended with other weights than the quiet ones (docs/reproducibility.md).
+
+The squeeze replaced processes that kept every core busy beside the run (a Python busy loop and a
+torch matmul loop): those spent about 500 s of CPU per suite and slowed every test beside them. The
+squeeze costs no CPU beyond the run's own and still catches the fault: with
+POSTTRAIN_DETERMINISTIC=0 and kernels off, the squeezed GRPO re-run ended with other weights than the
+quiet one (same rewards), and with the default, the same (docs/testing.md).
 """
 
 import json
 import os
 import signal
-import subprocess
-import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -41,32 +46,28 @@ OVERRIDES = ["data.synthetic.n_train=600", "data.synthetic.n_test=40", "sft.max_
              "sft.deepspeed.timeout_s=400", "grpo.deepspeed.timeout_s=400",
              "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
 
-_MATMUL_LOOP = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a)"
+THREADS = "2"  # every run's torch threads, quiet or squeezed (the numerics a resume must match)
 
 
 @contextmanager
-def cpu_load():
-    """Every core kept busy while the block runs: half the processes spin in Python, half run
-    torch matmuls on all threads (another training job's kind of load)."""
-    n = os.cpu_count() or 2
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass" if i % 2 == 0 else _MATMUL_LOOP])
-             for i in range(n)]
+def squeezed():
+    """The CLI runs started in this block (and their ranks and servers) run their THREADS threads on
+    one core: they inherit this process's CPU affinity."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
     try:
         yield
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        os.sched_setaffinity(0, cpus)
 
 
 def run(root: Path, name: str, overrides: list[str] = (), args: tuple[str, ...] = (), fault: str | None = None,
         loaded: bool = False) -> tuple[int, dict | None]:
+    """The CLI on `root`, quiet or squeezed (`loaded`); its exit code and result."""
     out = root / f"{name}.json"
-    if loaded:
-        with cpu_load():
-            code, _ = run_cli(root, out, fault, timeout=900, overrides=OVERRIDES + list(overrides), args=args)
-    else:
-        code, _ = run_cli(root, out, fault, timeout=900, overrides=OVERRIDES + list(overrides), args=args)
+    with squeezed() if loaded else nullcontext():
+        code, _ = run_cli(root, out, fault, timeout=900, overrides=OVERRIDES + list(overrides), args=args,
+                          env={"OMP_NUM_THREADS": THREADS})
     return code, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -86,22 +87,22 @@ def quiet_run(tmp_path_factory):
     return root, weights(result)
 
 
-def test_a_run_killed_and_resumed_beside_a_busy_machine_ends_with_the_quiet_runs_weights(quiet_run, tmp_path):
-    """Long by design (a whole CLI run under a CPU burner, SIGKILLed in GRPO's round 3, then resumed
-    under load): the threaded code paths only order their work differently when the cores are
-    contended. The killed run trained SFT and GRPO's first rounds under load, the resumed one the
-    rest: SFT's weights are checked as the killed run left them, the rest at the end."""
+def test_a_run_killed_and_resumed_squeezed_ends_with_the_quiet_runs_weights(quiet_run, tmp_path):
+    """Long by design (a whole CLI run squeezed onto one core, SIGKILLed in GRPO's round 3, then
+    resumed squeezed): the threaded code paths only order their work differently when their threads
+    contend for cores. The killed run trained SFT and GRPO's first rounds squeezed, the resumed one
+    the rest: SFT's weights are checked as the killed run left them, the rest at the end."""
     _, quiet = quiet_run
     code, _ = run(tmp_path, "killed", fault="grpo_mid_round@3:kill", loaded=True)
     assert code == -signal.SIGKILL, f"expected the run to die of SIGKILL, got exit code {code}"
     [sft] = (tmp_path / "sft").glob("*/manifest.json")
-    assert json.loads(sft.read_text())["result"]["state_hash"] == quiet["sft"]  # SFT under load
+    assert json.loads(sft.read_text())["result"]["state_hash"] == quiet["sft"]  # SFT squeezed
     _, result = run(tmp_path, "resumed", loaded=True)
     assert manifest(result, "grpo")["resumed_from_round"] == 2
     assert weights(result) == quiet
 
 
-# (id, overrides, environment): each variant's quiet run against its own loaded re-run of GRPO
+# (id, overrides, environment): each variant's quiet run against its own squeezed re-run of GRPO
 VARIANTS = [
     ("torch-ops", [], {"POSTTRAIN_KERNELS": "0"}),
     ("zero3", ["grpo.deepspeed.zero_stage=3"], {}),
@@ -110,12 +111,12 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("overrides,env", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
-def test_grpo_under_load_matches_quiet(quiet_run, monkeypatch, overrides, env):
-    """Long by design: a quiet run and a loaded re-run of GRPO per variant, at the tiny preset's
+def test_grpo_squeezed_matches_quiet(quiet_run, monkeypatch, overrides, env):
+    """Long by design: a quiet run and a squeezed re-run of GRPO per variant, at the tiny preset's
     model and micro-batch (smaller shapes let the unfixed code pass by luck, see above). Data,
     tokenizer and SFT come from the quiet run's folder; both GRPO runs are recomputed (a variant's
     settings may share the quiet run's GRPO key: the torch-op kernels are not keyed), for 2 rounds
-    (2 updates of 2 mini-batches each) where the quiet run trains 4: the variants' quiet/loaded pairs
+    (2 updates of 2 mini-batches each) where the quiet run trains 4: the variants' quiet/squeezed pairs
     differ in how threads and ranks order their sums, which every update exercises."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.seeded import seed
 from tests.test_pipeline import SMALL
 
 pytestmark = pytest.mark.slow
@@ -25,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_cli(root: Path, out: Path, fault: str | None = None, timeout: float = 600,
             overrides: list[str] | None = None, preset: str = "tiny", args: tuple[str, ...] = (),
-            command: str = "speedrun") -> tuple[int, float]:
-    """`posttrain COMMAND ARGS` in its own process (session); OVERRIDES unless others are given."""
-    env = dict(os.environ)
+            command: str = "speedrun", env: dict[str, str] | None = None) -> tuple[int, float]:
+    """`posttrain COMMAND ARGS` in its own process (session); OVERRIDES unless others are given;
+    `env` added to this process's environment."""
+    env = {**os.environ, **(env or {})}
     env.pop("POSTTRAIN_FAULT", None)
     if fault:
         env["POSTTRAIN_FAULT"] = fault
@@ -59,8 +61,10 @@ def manifest(result: dict, stage: str, index: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("uninterrupted")
+def reference(tmp_path_factory, small_sft):
+    """The uninterrupted run. Its data, tokenizer and SFT are the session's (OVERRIDES differ from
+    SMALL in GRPO only): the SIGKILLed SFT below resumes to that in-process SFT's weights."""
+    root = seed(small_sft, tmp_path_factory.mktemp("uninterrupted"))
     code, seconds = run_cli(root, root / "result.json")
     print(f"\nuninterrupted run: {seconds:.1f}s")
     return json.loads((root / "result.json").read_text())
@@ -75,7 +79,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("fault,stage,finished,resumed_at", CASES, ids=[c[0].split(":")[0] for c in CASES])
-def test_sigkill_then_rerun_is_exact(reference, tmp_path, fault, stage, finished, resumed_at):
+def test_sigkill_then_rerun_is_exact(reference, small_sft, tmp_path, fault, stage, finished, resumed_at):
+    """A kill in GRPO starts from the session's data, tokenizer and SFT (cache hits of the killed run
+    too); a kill in SFT computes everything."""
+    if stage != "sft":
+        seed(small_sft, tmp_path)
     code, killed_s = run_cli(tmp_path, tmp_path / "killed.json", fault)
     assert code == -signal.SIGKILL, f"expected the run to die of SIGKILL, got exit code {code}"
     assert not (tmp_path / "killed.json").exists()
@@ -116,10 +124,10 @@ MULTI_TURN = OVERRIDES + ["rollout.environment.name=tests.test_multiturn:Scripte
                           "rollout.environment.max_tokens=200"]
 
 
-def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path):
-    ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
-    ref.mkdir()
-    killed.mkdir()
+def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path, small_sft):
+    """Long: three runs of the multi-turn GRPO stage (uninterrupted, killed, resumed), from the
+    session's data, tokenizer and SFT."""
+    ref, killed = seed(small_sft, tmp_path / "uninterrupted"), seed(small_sft, tmp_path / "killed")
     run_cli(ref, ref / "result.json", overrides=MULTI_TURN)
     reference = json.loads((ref / "result.json").read_text())
     history = [json.loads(x) for x in
