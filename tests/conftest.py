@@ -35,9 +35,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # by `_prefect_server` before the first test, stopped at the end (and with this process, however it ends).
 from flows.prefect_server import TemporaryServer  # noqa: E402 (imports nothing of Prefect)
 
-_PREFECT_SERVER = TemporaryServer()
-os.environ["PREFECT_API_URL"] = _PREFECT_SERVER.api_url
-os.environ["PREFECT_UI_URL"] = ""  # the server has no UI
+
+def _xdist_controller() -> bool:
+    """Whether this process hands the tests to pytest-xdist workers (`-n N`, N > 0) and runs none."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return False
+    args = sys.argv[1:]
+    for i, a in enumerate(args):
+        value = None
+        if a in ("-n", "--numprocesses") and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith("--numprocesses="):
+            value = a.split("=", 1)[1]
+        elif a.startswith("-n") and len(a) > 2:
+            value = a[2:]
+        if value is not None:
+            return value not in ("0", "")
+    return False
+
+
+# None in xdist's controller: each worker starts its own (a server there would idle through the suite)
+_PREFECT_SERVER = None if _xdist_controller() else TemporaryServer()
+if _PREFECT_SERVER is not None:
+    os.environ["PREFECT_API_URL"] = _PREFECT_SERVER.api_url
+    os.environ["PREFECT_UI_URL"] = ""  # the server has no UI
 
 # Prefect binds its console log handler to the sys.stderr of the moment it sets up logging (when
 # prefect.main is imported, as `from prefect import flow` does). Do it here, under the session's
