@@ -253,8 +253,9 @@ def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monke
 
 
 def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
-    """A build SIGKILLed while compiling leaves torch's builder lock behind (it would make every
-    later build wait forever); the next build, in a fresh process, goes ahead and completes."""
+    """A build SIGKILLed while compiling (its compilers with it, as when a machine is stopped) leaves
+    torch's builder lock behind (it would make every later build wait forever); the next build, in a
+    fresh process, goes ahead and completes."""
     env = {**os.environ, "POSTTRAIN_KERNEL_CACHE": str(tmp_path / "k"), "POSTTRAIN_KERNELS": "1"}
     cmd = [sys.executable, "-m", "trainer.kernels"]
     root = Path(__file__).resolve().parent.parent
@@ -266,7 +267,17 @@ def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
         assert time.monotonic() < deadline, "the first build never started compiling"
         time.sleep(0.05)
     time.sleep(1.0)
-    os.killpg(first.pid, signal.SIGKILL)  # the compiler too
+    # the compilers too: ninja starts each in a process group of its own, so killing the build's
+    # group alone leaves them compiling on (beside the second build) until they finish
+    import psutil
+
+    compilers = psutil.Process(first.pid).children(recursive=True)
+    os.killpg(first.pid, signal.SIGKILL)
+    for p in compilers:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     first.wait()
     assert list((tmp_path / "k").glob("*/lock")) and not list((tmp_path / "k").glob("*/.complete"))
     second = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
