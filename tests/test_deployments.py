@@ -69,9 +69,12 @@ def wait_final(services, run_id, timeout: float = 480):
         time.sleep(1)
 
 
-def trigger(services, name: str, parameters: dict):
+def trigger(services, name: str, parameters: dict, env: dict[str, str] | None = None):
+    """A flow run of deployment `name`; `env` added to its process's environment (a job variable)."""
     dep = deployment(services, name)
-    return api(services, lambda c: c.create_flow_run_from_deployment(dep.id, parameters=parameters))
+    job_variables = {"env": env} if env else None
+    return api(services, lambda c: c.create_flow_run_from_deployment(dep.id, parameters=parameters,
+                                                                     job_variables=job_variables))
 
 
 def pipeline_runs(flow_run_id) -> list:
@@ -259,10 +262,11 @@ def committed(folder_glob) -> list[int]:
     return sorted(int(p.parent.name[4:]) for p in folder_glob if p.name == "COMMITTED")
 
 
-def cancel_mid_stage(served, deployment_name: str, stage: str, root: Path, overrides: list[str]):
+def cancel_mid_stage(served, deployment_name: str, stage: str, root: Path, overrides: list[str],
+                     env: dict[str, str] | None = None):
     """Trigger the deployment, cancel it once its stage has a committed checkpoint; return the stop
     times, the stage folder and its committed checkpoints. Nothing may be committed."""
-    run = trigger(served, deployment_name, {"preset": "tiny", "overrides": overrides})
+    run = trigger(served, deployment_name, {"preset": "tiny", "overrides": overrides}, env)
 
     def ready():
         return bool(committed(root.glob(f"{stage}/*/checkpoints/step*/COMMITTED")))
@@ -275,11 +279,15 @@ def cancel_mid_stage(served, deployment_name: str, stage: str, root: Path, overr
 
 def test_cancel_mid_sft_stops_the_launcher_and_ranks_then_rerun_resumes(served, tmp_path):
     """Long: a 2-rank SFT launched by a worker's flow run, cancelled through the API once a
-    checkpoint commits, then run again; only a real launch shows every rank gone."""
+    checkpoint commits, then run again; only a real launch shows every rank gone. The ranks hang
+    after step 7 (POSTTRAIN_FAULT, in the flow run's environment), past the checkpoint of step 5:
+    however late the cancel lands, they are still running, and the re-run trains steps 6-12 only."""
     root = tmp_path / "artifacts"
-    overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.max_steps=250",
-                         "sft.checkpoint_every=5", "sft.micro_batch_size=8"]
-    cancelled, gone, folder, steps = cancel_mid_stage(served, "sft/sft", "sft", root, overrides)
+    overrides = SMALL + [f"artifact_root={root}", "sft.deepspeed.ranks_per_node=2", "sft.checkpoint_every=5",
+                         "sft.micro_batch_size=8"]
+    cancelled, gone, folder, steps = cancel_mid_stage(served, "sft/sft", "sft", root, overrides,
+                                                      env={"POSTTRAIN_FAULT": "sft@7:hang"})
+    assert steps == [5]
     print(f"\nmid-SFT (2 ranks): Cancelled after {cancelled:.1f}s, every process gone after {gone:.1f}s; "
           f"checkpoints {steps}")
     again = wait_final(served, trigger(served, "sft/sft", {"preset": "tiny", "overrides": overrides}).id)
