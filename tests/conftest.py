@@ -194,25 +194,26 @@ def smollm2(smollm2_gguf):
 
 
 # The longest test files, longest first (seconds measured on a 2-core AMD EPYC, Zen 3, 2026-11-26,
-# beside the other worker): a file runs whole on one worker, in this order (`--dist loadfile
-# --no-loadscope-reorder`; xdist would otherwise start the files with the most tests, the fast unit
-# files), so the long ones start first and the short ones even out the end. Tests keep their
-# order within a file; the rest follow in their usual order.
-LONGEST_FIRST = ["test_determinism_load",  # about 1150 before its variants went to 2 rounds
-                 "test_deployments",       # 915
-                 "test_sglang_pipeline",   # 833
-                 "test_async",             # 420
-                 "test_multirank",         # about 350
-                 "test_concurrency", "test_resume_kill",
-                 "test_fastgen",           # 185
-                 "test_s3",                # 173
-                 "test_smollm2_sglang",
-                 "test_damaged_state",     # about 110
-                 "test_pipeline",          # 135
-                 "test_sglang_server",     # about 100 s alone
-                 "test_answers",           # 108
-                 "test_gpu_preset_path",   # about 80 s alone
-                 "test_cli_server",        # about 50 s alone
+# beside the other worker, after the changes of that afternoon): a file runs whole on one worker,
+# in this order (`--dist loadfile --no-loadscope-reorder`; xdist would otherwise start the files with
+# the most tests, the fast unit files), so the long ones start first and the short ones even out the
+# end. Tests keep their order within a file; the rest follow in their usual order.
+LONGEST_FIRST = ["test_sglang_pipeline",   # 950
+                 "test_determinism_load",  # 445 (squeezed runs, no CPU burners)
+                 "test_deployments",       # about 700
+                 "test_multirank",         # 420
+                 "test_resume_kill",       # 410
+                 "test_async",             # 307
+                 "test_smollm2_sglang",    # 294
+                 "test_gpu_preset_path",   # 253
+                 "test_concurrency",       # 211
+                 "test_fastgen",           # about 200
+                 "test_s3",                # 199
+                 "test_pipeline",          # 129
+                 "test_sglang_server",     # 124
+                 "test_cli_server",        # 67
+                 "test_damaged_state",     # 50
+                 "test_answers",           # 45
                  ]
 
 
