@@ -106,6 +106,7 @@ def test_launch_command_and_environment(monkeypatch):
     cmd = launch_command(cpu, "/m", 30000, "float32")
     assert cmd[0] == "/envs/sgl/bin/python" and cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--device") + 1] == "cpu"
+    assert "--skip-server-warmup" in cmd  # readiness is wait_healthy's, within startup_timeout_s
     assert cmd[cmd.index("--max-total-tokens") + 1] == str(CPU_DEFAULT_MAX_TOTAL_TOKENS)
     assert server_env(cpu, 0) == {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": "/x"}
 

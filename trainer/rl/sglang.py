@@ -124,8 +124,12 @@ def launch_command(cfg: SGLangConfig, model_path: str, port: int, dtype: str = "
            "--tp", str(cfg.gpus_per_server), "--mem-fraction-static", str(cfg.mem_fraction_static)]
     max_tokens = cfg.max_total_tokens
     if cfg.device == "cpu":
-        # an idle CPU-mode scheduler otherwise busy-polls the cores the trainer needs
-        cmd += ["--device", "cpu", "--sleep-on-idle"]
+        # an idle CPU-mode scheduler otherwise busy-polls the cores the trainer needs. SGLang's own
+        # warmup gives its HTTP server a fixed 120 s to come up and then kills the server; on 2 busy
+        # cores that start took longer (seen with two servers starting at once beside a trainer), so
+        # readiness is left to wait_healthy's GET /health (a real one-token request through the
+        # scheduler) within rollout.sglang.startup_timeout_s
+        cmd += ["--device", "cpu", "--sleep-on-idle", "--skip-server-warmup"]
         max_tokens = max_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
     if max_tokens:
         cmd += ["--max-total-tokens", str(max_tokens)]
