@@ -123,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args)
     try:
         cfg = load_config(args.preset, args.overrides)  # fail fast, before any server starts
+        from trainer.rl.critic import check_critic
         from trainer.rl.envs import check_environment
 
         check_environment(cfg.rollout.environment)
+        check_critic(cfg.grpo)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

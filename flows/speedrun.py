@@ -16,6 +16,7 @@ from tasks import report, stages
 from tasks.pipeline import pipeline_run, report_final, run_row
 from trainer.config import load_config, preset_names
 from trainer.faults import POINTS
+from trainer.rl.critic import check_critic
 from trainer.rl.envs import check_environment
 
 # Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
@@ -41,6 +42,7 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
     them, then the headline metrics, the registered policy and the report)."""
     cfg = load_config(preset, overrides)
     check_environment(cfg.rollout.environment)  # a custom class that cannot be used stops the run here
+    check_critic(cfg.grpo)  # likewise a saved critic without a value head
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
     with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:

@@ -106,6 +106,8 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     if checkpoint.tag_for(trainer.round) not in checkpoint.committed_tags(trainer.ckpt_dir):
         trainer.save()
     trainer.export(work / "model")
+    if trainer.critic is not None:  # gae: the critic too, as grpo.critic.path takes it
+        trainer.export_critic(work / "critic")
     if ds.rank() == 0:  # the other ranks' history has no evals (rank 0 runs them)
         (work / "history.jsonl").write_text("".join(json.dumps(h, sort_keys=True) + "\n" for h in trainer.history))
     last = trainer.history[-1] if trainer.history else {}
@@ -126,8 +128,12 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     logger.log_metrics(metrics)
     logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0
     logger.log_artifact(work / "model", "model")
-    return {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
-            "resumed_from_round": trainer.resumed_from}
+    out = {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
+           "resumed_from_round": trainer.resumed_from}
+    if trainer.critic is not None:
+        logger.log_artifact(work / "critic", "critic")
+        out["critic_subdir"] = "critic"
+    return out
 
 
 def train_rounds(cfg, data: dict, sft: dict, work, logger, fault: dict | None, as_tasks: bool = True) -> dict[str, Any]:

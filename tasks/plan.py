@@ -91,6 +91,14 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     from trainer.rl.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
 
     lines = _how("grpo", cfg.grpo.deepspeed, folder)
+    g = cfg.grpo
+    if g.advantage == "gae":
+        c = g.critic
+        start = c.path if c.path else (f"the policy's first {c.layers} layers" if c.layers else "the policy's trunk")
+        start += "" if c.path else " with a zero value head"
+        lines.append(f"  PPO: GAE(gamma={g.gamma}, lambda={g.lam}) over a critic from {start}, "
+                     f"lr {c.lr}, value clip {c.value_clip}, {c.warmup_rounds} warm-up round(s) before the policy "
+                     "trains; saved in every checkpoint and as the result's critic/ folder")
     r = cfg.rollout
     groups = groups_per_round(r)
     chunks = math.ceil(groups / groups_per_chunk(r))

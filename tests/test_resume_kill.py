@@ -119,20 +119,26 @@ def test_sigkill_then_rerun_is_exact(reference, small_sft, tmp_path, fault, stag
 
 
 # three-turn episodes (tests/test_multiturn.py's scripted environment: every turn answered with a
-# tool message until the third), through the real CLI
+# tool message until the third), through the real CLI, trained by PPO: a critic's values on the
+# policy's tokens only (the tool's answers between turns are masked), its weights and optimizer in
+# the checkpoints
 MULTI_TURN = OVERRIDES + ["rollout.environment.name=tests.test_multiturn:Scripted",
-                          "rollout.environment.max_tokens=200"]
+                          "rollout.environment.max_tokens=200", "grpo.advantage=gae",
+                          "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
 
 
-def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path, small_sft):
-    """Long: three runs of the multi-turn GRPO stage (uninterrupted, killed, resumed), from the
-    session's data, tokenizer and SFT."""
+def test_sigkill_mid_round_of_a_multi_turn_ppo_stage_then_rerun_is_exact(tmp_path, small_sft):
+    """Long: three runs of the multi-turn GRPO stage with grpo.advantage=gae (uninterrupted, killed,
+    resumed), from the session's data, tokenizer and SFT. The resumed run ends with the uninterrupted
+    run's policy and critic (the manifest's state_hash covers both) and the same critic metrics."""
     ref, killed = seed(small_sft, tmp_path / "uninterrupted"), seed(small_sft, tmp_path / "killed")
     run_cli(ref, ref / "result.json", overrides=MULTI_TURN)
     reference = json.loads((ref / "result.json").read_text())
     history = [json.loads(x) for x in
                (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
     assert min(h["rollout/turns_mean"] for h in history) > 2  # the episodes really had three turns
+    assert all(h["critic/value_loss"] > 0 for h in history) and history[-1]["critic/values_mean"] != 0
+    assert (Path(manifest(reference, "grpo")["uri"]) / "critic" / "config.json").is_file()
     code, _ = run_cli(killed, killed / "killed.json", "grpo_mid_round@3:kill", overrides=MULTI_TURN)
     assert code == -signal.SIGKILL
     run_cli(killed, killed / "resumed.json", overrides=MULTI_TURN)
@@ -140,3 +146,5 @@ def test_sigkill_mid_round_of_a_multi_turn_stage_then_rerun_is_exact(tmp_path, s
     assert manifest(result, "grpo")["resumed_from_round"] == 2
     assert manifest(result, "grpo")["state_hash"] == manifest(reference, "grpo")["state_hash"]
     assert result["headline"]["final_accuracy"] == reference["headline"]["final_accuracy"]
+    resumed = [json.loads(x) for x in (Path(manifest(result, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
+    assert [h["critic/value_loss"] for h in resumed] == [h["critic/value_loss"] for h in history]

@@ -105,8 +105,11 @@ def _check_guard() -> None:
                                          "before this checkpoint (its error is in rank 0's log)")
 
 
-def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], keep: int = 2) -> Path:
-    """Save and commit a checkpoint; keep only the newest `keep` committed ones.
+def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], keep: int = 2,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Save and commit a checkpoint; keep only the newest `keep` committed ones. `extra` engines (name
+    -> DeepSpeed engine: PPO's critic) are saved in the same tag, under `<tag>/<name>/`, before the
+    commit marker, so a committed tag holds all of them or is not loaded.
 
     Raises CheckpointError naming the folder when the save fails (a full disk, most often): the torn
     tag is removed, and the earlier committed checkpoints stay as they were. Raises whatever the
@@ -120,6 +123,8 @@ def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], 
     state = dict(client_state, step=step, rng=rng_state(), numerics=numerics())
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
+        for name, other in (extra or {}).items():
+            other.save_checkpoint(str(ckpt_dir / tag), tag=name, client_state={"step": step}, save_latest=False)
     except Exception as exc:
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
         raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
@@ -182,9 +187,10 @@ def committed_tags(ckpt_dir: str | Path) -> list[str]:
     return good
 
 
-def load_latest(engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
-    """Load the newest committed checkpoint that loads into `engine`; returns its client state, or
-    None when there is none. One that fails to load is logged and the one before it is tried.
+def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Load the newest committed checkpoint that loads into `engine` (and its `extra` engines, as
+    `save` wrote them); returns its client state, or None when there is none. One that fails to
+    load is logged and the one before it is tried.
 
     Raises CheckpointError when committed checkpoints exist and none of them loads."""
     ckpt_dir = Path(ckpt_dir)
@@ -196,6 +202,13 @@ def load_latest(engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
                                                load_lr_scheduler_states=True)
             if client is None:
                 raise RuntimeError("DeepSpeed found nothing to load")
+            for name, other in (extra or {}).items():
+                if not (ckpt_dir / tag / name).is_dir():
+                    raise RuntimeError(f"it holds no {name} (written by a run without one)")
+                _, sub = other.load_checkpoint(str(ckpt_dir / tag), tag=name, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+                if sub is None:
+                    raise RuntimeError(f"DeepSpeed found no {name} to load")
         except Exception as exc:
             failures.append(f"{ckpt_dir / tag}: {type(exc).__name__}: {str(exc)[:300]}")
             log.warning("checkpoint %s could not be loaded (%s: %s); trying the one before it", ckpt_dir / tag,

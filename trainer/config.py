@@ -310,8 +310,33 @@ class RewardSpec(Strict):
     path: str | None = Field(None, description="model folder for reward_model")
 
 
+class CriticConfig(Strict):
+    """PPO's value model (grpo.advantage=gae): a trunk with a scalar head per token, trained by its own
+    optimizer on the clipped value loss beside the policy (trainer.rl.critic)."""
+
+    lr: float = Field(1e-5, gt=0, le=1.0, description="the critic's learning rate (constant; verl's default for "
+                      "~0.5B models, the tiny preset sets its own)")
+    warmup_rounds: int = Field(
+        0, ge=0, description="the first N rounds train the critic only: the policy waits for values that "
+        "mean something")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="a value may move at most this far from its sampling-time value in the clipped "
+        "value loss (None: unclipped)")
+    layers: int | None = Field(
+        None, ge=1, description="the critic's trunk: the policy's first N layers (None: all of them)")
+    path: str | None = Field(
+        None, description="start from a saved critic (the critic/ folder of a gae GRPO result: a "
+        "save_pretrained token classifier with one label) instead of the policy's trunk")
+
+
 class GRPOConfig(Strict):
     enabled: bool = True
+    advantage: Literal["group", "gae"] = Field(
+        "group", description="group: GRPO's reward minus its group's mean (no critic); gae: PPO's generalised "
+        "advantage estimate from a critic's token values (grpo.critic, grpo.gamma, grpo.lam)")
+    gamma: float = Field(1.0, gt=0, le=1.0, description="gae: the discount per policy token")
+    lam: float = Field(0.95, ge=0, le=1.0, description="gae: the bias/variance trade-off (1: Monte Carlo returns)")
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     rounds: int = Field(60, ge=1)
     max_seconds: float | None = Field(None, gt=0, description="stop early after this much GRPO wall time")
     lr: float = Field(3e-5, gt=0, le=1.0)

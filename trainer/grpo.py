@@ -55,6 +55,17 @@ class GRPOTrainer:
         self.reference = None
         if g.kl_coef > 0:  # the reference is loaded only when the KL term is on
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # PPO (grpo.advantage=gae): the critic, built from the policy's trunk before DeepSpeed (ZeRO-3)
+        # partitions it, trained by its own engine and optimizer; saved in the policy's checkpoints
+        self.critic = None
+        if g.advantage == "gae":
+            from trainer.rl.critic import build_critic
+
+            critic = build_critic(model, g.critic)
+            c_opt = torch.optim.AdamW(critic.parameters(), lr=g.critic.lr, weight_decay=0.0, betas=(0.9, 0.99),
+                                      fused=next(critic.parameters()).device.type in ("cpu", "cuda"))
+            self.critic = ds.initialize(critic, c_opt, get_constant_schedule_with_warmup(c_opt, 0),
+                                        ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
         steps_per_round = g.mini_batches * g.epochs
         # fused: AdamW's ~10 elementwise passes over the weights in one (torch's CPU and CUDA kernels)
         optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99),
@@ -80,7 +91,7 @@ class GRPOTrainer:
         # one optimizer step a round: old log-probs from the training forward (False: a separate pass,
         # the pre-0.2 behaviour, kept for the parity test)
         self.reuse_training_logprobs = True
-        state = checkpoint.load_latest(self.ds, self.ckpt_dir)
+        state = checkpoint.load_latest(self.ds, self.ckpt_dir, extra=self._extra_engines())
         if state is not None:
             self.round = state["step"]
             self.manager.load_state_dict(state["manager"])
@@ -94,6 +105,10 @@ class GRPOTrainer:
         self.last_publish = time.perf_counter()
         if self.async_steps:
             self._start_producer(train, None if state is None else state.get("pending"))
+
+    def _extra_engines(self) -> dict[str, Any]:
+        """The engines a checkpoint holds beside the policy's."""
+        return {"critic": self.critic} if self.critic is not None else {}
 
     # -- async rounds
     def _start_producer(self, train: list[dict], pending: dict[int, RolloutBatch] | None) -> None:
@@ -187,7 +202,10 @@ class GRPOTrainer:
         samples, advs = [], []
         for group in batch.groups:
             r = torch.tensor([group.rewards()], dtype=torch.float32)
-            a = losses.group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
+            if self.critic is not None:  # gae: the critic's values, not the group, say what to expect
+                a = [0.0] * len(group.samples)
+            else:
+                a = losses.group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
             for s, adv in zip(group.samples, a):
                 if s.trained_tokens:  # a trajectory without a token of the policy's has nothing to train
                     samples.append(s)
@@ -200,6 +218,12 @@ class GRPOTrainer:
         packed = pack(samples, advs, self.tok.pad_token_id)
         group_of = [s.example_index for s in samples]
         n = len(samples)
+        # gae: per-token advantages and returns from the critic's values before this round's steps
+        token_adv = returns = old_values = None
+        if self.critic is not None:
+            token_adv, returns, old_values = self._gae(packed, [s.reward for s in samples], stats)
+        # the critic's warm-up rounds train the critic alone
+        train_policy = self.critic is None or self.round > g.critic.warmup_rounds
         # With one optimizer step a round the policy that sampled is the one being updated: its
         # log-probs are the training forward's own, detached (the ratio is exactly 1, its gradient
         # that of log p), so the separate no-grad pass over the batch is skipped. With more steps
@@ -207,9 +231,9 @@ class GRPOTrainer:
         single_step = g.epochs * g.mini_batches == 1 and self.reuse_training_logprobs
         before = None if single_step else self._old_logprobs(packed)
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.round)
-        sums = dict.fromkeys(("loss", *losses.REPORTED), 0.0)
+        sums = dict.fromkeys(("loss", *losses.REPORTED, *losses.CRITIC_REPORTED), 0.0)
         steps, tokens = 0, 0.0
-        grad_norms = []
+        grad_norms, critic_norms = [], []
         rank, world = ds.rank(), ds.world_size()
         for _ in range(g.epochs):
             order = torch.randperm(n, generator=gen).tolist()
@@ -231,23 +255,38 @@ class GRPOTrainer:
                 # micro-batch count that changes between mini-batches that lands mid-mini-batch.
                 # The boundary is set explicitly so the step falls on this mini-batch's last one.
                 self.ds.set_train_batch_size(g.micro_batch_size * n_micro * world)
+                if self.critic is not None:
+                    self.critic.set_train_batch_size(g.micro_batch_size * n_micro * world)
                 norm = losses.normaliser(packed.mask[torch.tensor(idx)], g.loss_agg)
                 for k, part_idx in enumerate(micro):
-                    self.ds.set_gradient_accumulation_boundary(k == n_micro - 1)
                     weight = 1.0 if part_idx else 0.0
-                    loss, report, mask = self._micro_loss(packed, part_idx or idx[:1], before, norm)
-                    loss = loss * weight
-                    # DeepSpeed divides by its accumulation steps and averages over ranks; we
-                    # normalised by the whole mini-batch.
-                    self.ds.backward(loss * n_micro * world)
-                    self.ds.step()
-                    sums["loss"] += float(loss.detach())
-                    for name, values in report.items():
-                        sums[name] += weight * float((values * mask).sum())
-                    tokens += weight * float(mask.sum())
-                gn = self.ds.get_global_grad_norm()
-                grad_norms.append(float(gn) if gn is not None else float("nan"))
-                steps += 1
+                    use = part_idx or idx[:1]
+                    if train_policy:
+                        self.ds.set_gradient_accumulation_boundary(k == n_micro - 1)
+                        loss, report, mask = self._micro_loss(packed, use, before, norm, token_adv)
+                        loss = loss * weight
+                        # DeepSpeed divides by its accumulation steps and averages over ranks; we
+                        # normalised by the whole mini-batch.
+                        self.ds.backward(loss * n_micro * world)
+                        self.ds.step()
+                        sums["loss"] += float(loss.detach())
+                        for name, values in report.items():
+                            sums[name] += weight * float((values * mask).sum())
+                    if self.critic is not None:
+                        self.critic.set_gradient_accumulation_boundary(k == n_micro - 1)
+                        closs, report, mask = self._critic_loss(packed, use, old_values, returns, norm)
+                        self.critic.backward(closs * weight * n_micro * world)
+                        self.critic.step()
+                        for name, values in report.items():
+                            sums[name] += weight * float((values * mask).sum())
+                    tokens += weight * float(packed.mask[torch.tensor(use)].sum())
+                if train_policy:
+                    gn = self.ds.get_global_grad_norm()
+                    grad_norms.append(float(gn) if gn is not None else float("nan"))
+                    steps += 1
+                if self.critic is not None:
+                    gn = self.critic.get_global_grad_norm()
+                    critic_norms.append(float(gn) if gn is not None else float("nan"))
         keys = list(sums)
         *totals, tokens = ds.sum_across_ranks([sums[k] for k in keys] + [tokens])
         sums = dict(zip(keys, totals))
@@ -256,12 +295,59 @@ class GRPOTrainer:
             "update/loss": sums["loss"] / max(steps, 1), "update/pg_loss": sums["pg_loss"] / t,
             "update/kl": sums["kl"] / t, "update/entropy": sums["entropy"] / t,
             "update/clip_frac": sums["clip_frac"] / t, "update/ratio_mean": sums["ratio"] / t,
-            "update/grad_norm": sum(grad_norms) / len(grad_norms), "update/optimizer_steps": steps,
+            "update/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "update/optimizer_steps": steps,
             "update/lr": self.ds.get_lr()[0], "update/samples": n, "update/trained_tokens": t,
             "update/tis_weight_mean": sums["tis"] / t, "update/engine_logprob_abs_diff": sums["engine_diff"] / t,
             "time/update_seconds": time.perf_counter() - t0,
         })
+        if self.critic is not None:
+            stats.update({"critic/value_loss": sums["value_loss"] / t, "critic/value_clip_frac": sums["value_clip_frac"] / t,
+                          "critic/grad_norm": sum(critic_norms) / len(critic_norms),
+                          "critic/optimizer_steps": len(critic_norms), "critic/policy_trained": float(train_policy)})
         return stats
+
+    def _values(self, packed: PackedBatch) -> torch.Tensor:
+        """The critic's values over the whole batch, [n, T-1], before this round's steps change it."""
+        from trainer.rl.critic import values
+
+        mb, dev = self.cfg.grpo.micro_batch_size, self.critic.device
+        n, width = packed.mask.shape
+        out = []
+        with torch.no_grad():
+            for i in range(0, n, mb):
+                part = rows(packed, list(range(i, min(i + mb, n)))).to(dev)
+                v = values(self.critic.module, part.ids, part.attn)
+                out.append(F.pad(v, (0, width - v.shape[1])).cpu())
+        return torch.cat(out) * packed.mask
+
+    def _gae(self, packed: PackedBatch, rewards: list[float], stats: dict[str, float],
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token advantages (GAE over the critic's values, whitened over the batch's policy tokens),
+        returns and the values they came from; the critic's view of the batch goes to `stats`."""
+        g = self.cfg.grpo
+        old = self._values(packed)
+        r = losses.last_token_rewards(packed.mask, torch.tensor(rewards, dtype=torch.float32))
+        adv, ret = losses.gae(r, old, packed.mask, g.gamma, g.lam)
+        m = packed.mask > 0
+        stats.update({"critic/values_mean": float(old[m].mean()), "critic/returns_mean": float(ret[m].mean()),
+                      "critic/explained_variance": losses.explained_variance(old, ret, packed.mask),
+                      "critic/advantage_abs_mean": float(adv[m].abs().mean())})
+        return losses.whiten(adv, packed.mask), ret, old
+
+    def _critic_loss(self, packed: PackedBatch, idx: list[int], old: torch.Tensor, returns: torch.Tensor,
+                     norm: float) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """One micro-batch's aggregated value loss, its per-token reports, and its loss mask."""
+        from trainer.rl.critic import values
+
+        dev = self.critic.device
+        part = rows(packed, idx).to(dev)
+        w = part.mask.shape[1]
+        sel = torch.tensor(idx)
+        v = losses.Values(values=values(self.critic.module, part.ids, part.attn), old=old[sel, :w].to(dev),
+                          returns=returns[sel, :w].to(dev), mask=part.mask)
+        per_token, report = losses.critic_token_loss(v, self.cfg.grpo)
+        return losses.aggregate(per_token, part.mask, self.cfg.grpo.loss_agg, normaliser=norm), report, part.mask
 
     def _old_logprobs(self, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampling policy's (and the reference's) log-probs over the whole batch, before the
@@ -281,10 +367,12 @@ class GRPOTrainer:
 
     def _micro_loss(self, packed: PackedBatch, idx: list[int],
                     before: tuple[torch.Tensor, torch.Tensor | None] | None, norm: float,
+                    token_adv: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """One micro-batch's aggregated loss, the terms' per-token reports, and its loss mask.
         `before`: the old and reference log-probs of the whole batch (None: one step a round, the
-        old ones are this forward's own, the reference's are taken here)."""
+        old ones are this forward's own, the reference's are taken here). `token_adv`: the whole
+        batch's per-token advantages (gae), else each sequence's advantage at all its tokens."""
         g, temp, dev = self.cfg.grpo, self.cfg.rollout.temperature, self.ds.device
         part = rows(packed, idx).to(dev)
         lp, ent = response_logprobs(self.ds.module, part, temp, with_entropy=g.entropy_coef > 0)
@@ -298,8 +386,11 @@ class GRPOTrainer:
             sel = torch.tensor(idx, device=dev)
             old = before[0][sel, :w]
             ref = before[1][sel, :w] if before[1] is not None else None
-        tokens = losses.Tokens(logp=lp, old=old, engine=part.engine_logp, adv=part.adv.unsqueeze(1).expand_as(lp),
-                               mask=part.mask, ref=ref, entropy=ent)
+        if token_adv is not None:
+            adv = token_adv[torch.tensor(idx), :w].to(dev)
+        else:
+            adv = part.adv.unsqueeze(1).expand_as(lp)
+        tokens = losses.Tokens(logp=lp, old=old, engine=part.engine_logp, adv=adv, mask=part.mask, ref=ref, entropy=ent)
         per_token, report = losses.token_loss(tokens, g)
         return losses.aggregate(per_token, part.mask, g.loss_agg, normaliser=norm), report, part.mask
 
@@ -387,7 +478,7 @@ class GRPOTrainer:
                  "consumed": self.consumed}
         if self.producer is not None:  # the batches generated for the next rounds, waited for
             state["pending"] = self.producer.pending()
-        checkpoint.save(self.ds, self.ckpt_dir, self.round, state)
+        checkpoint.save(self.ds, self.ckpt_dir, self.round, state, extra=self._extra_engines())
 
     def close(self) -> None:
         """Stop the rollout producer and the engine (servers this stage launched); idempotent."""
@@ -400,5 +491,15 @@ class GRPOTrainer:
     def export(self, out_dir: str | Path) -> None:
         ds.export_model(self.ds, self.tok, out_dir)
 
+    def export_critic(self, out_dir: str | Path) -> None:
+        """The critic as a save_pretrained token classifier (what grpo.critic.path takes)."""
+        ds.export_model(self.critic, self.tok, out_dir)
+
     def state_hash(self) -> str:
-        return ds.state_dict_hash(self.ds.module)
+        """The policy's weights, and the critic's when there is one."""
+        h = ds.state_dict_hash(self.ds.module)
+        if self.critic is None:
+            return h
+        import hashlib
+
+        return hashlib.sha256(f"{h}:{ds.state_dict_hash(self.critic.module)}".encode()).hexdigest()

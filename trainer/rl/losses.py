@@ -1,11 +1,13 @@
-"""GRPO's loss as pure functions: group advantages, the clipped objective with clip-higher,
-truncated importance sampling (TIS) against the sampler's log-probs, KL to a frozen reference
-(Schulman's k1/k2/k3), the entropy bonus and three aggregations.
+"""GRPO's and PPO's losses as pure functions: group advantages or GAE over a critic's values, the
+clipped objective with clip-higher, truncated importance sampling (TIS) against the sampler's
+log-probs, KL to a frozen reference (Schulman's k1/k2/k3), the entropy bonus, the critic's clipped
+value loss and three aggregations.
 
 The per-token loss is the sum of the terms in `TERMS`, in order; each term reads one micro-batch's
 per-token tensors (`Tokens`) and the GRPO config, and returns its contribution (None when it is
 off) and the per-token values it reports. `trainer.grpo.GRPOTrainer.update` only shards, runs
 `token_loss` and `aggregate`, accumulates and reduces: a new term is a function and a row here.
+The critic's terms (`CRITIC_TERMS`, `critic_token_loss`) read `Values` the same way.
 Every tensor is [B, T-1], aligned with the loss mask; what the mask zeroes counts for nothing.
 """
 
@@ -123,12 +125,113 @@ TERMS: dict[str, Term] = {"policy": policy_term, "kl": kl_term, "entropy": entro
 REPORTED = ("pg_loss", "kl", "entropy", "clip_frac", "ratio", "engine_diff", "tis")  # per-token means
 
 
-def token_loss(t: Tokens, g: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss (the terms summed in table order) and every term's reported values."""
+def summed(table: dict, x, g: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A table's terms on `x`, summed in table order, and every term's reported values."""
     total, report = None, {}
-    for term in TERMS.values():
-        part, values = term(t, g)
+    for term in table.values():
+        part, values = term(x, g)
         report.update(values)
         if part is not None:
             total = part if total is None else total + part
     return total, report
+
+
+def token_loss(t: Tokens, g: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss (the terms summed in table order) and every term's reported values."""
+    return summed(TERMS, t, g)
+
+
+# ---------------------------------------------------------------- PPO: GAE and the critic (grpo.advantage=gae)
+
+def last_token_rewards(mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """[B, T] mask, [B] rewards -> [B, T]: each trajectory's reward at its last policy token, 0
+    elsewhere (the outcome reward is given when the policy's last token ends the episode)."""
+    B, T = mask.shape
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has = last >= 0
+    out[has.nonzero().squeeze(1), last[has]] = rewards.to(out.dtype)[has]
+    return out
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimates and returns, [B, T] each, over each row's policy tokens.
+
+    delta_t = r_t + gamma * V(next) - V_t and A_t = delta_t + gamma * lam * A(next), where "next" is
+    the row's next *policy* token: the environment's tokens between two turns (mask 0) are part of
+    the transition, not states the critic is asked about, and the row's end is terminal (value 0).
+    One backward pass over T; masked positions get 0. Returns = A + V on the policy's tokens."""
+    B, T = mask.shape
+    adv = torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    running = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    next_value = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    values = values.float()
+    for t in range(T - 1, -1, -1):
+        on = mask[:, t] > 0
+        a = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        adv[:, t] = torch.where(on, a, 0.0)
+        running = torch.where(on, a, running)
+        next_value = torch.where(on, values[:, t], next_value)
+    m = mask.to(adv.dtype)
+    return adv, (adv + values) * m
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """x shifted and scaled to mean 0, variance 1 over the masked-in entries (0 elsewhere)."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def clipped_value_loss(values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = old + clamp(V - old, +-clip)
+    (PPO's value clipping: the critic may not move far from the values the advantages came from),
+    and whether the clipped branch was the larger."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped = (old + (values - old).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked-in tokens: 1 when the values predict the returns, 0
+    when they do no better than their mean, negative when worse (nan when the returns are constant)."""
+    m = mask > 0
+    r, v = returns[m].double(), values[m].double()
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return float("nan")
+    return float(1.0 - (r - v).var() / r.var())
+
+
+@dataclass
+class Values:
+    """One micro-batch, per token, as the critic's terms see it."""
+
+    values: torch.Tensor      # the critic's values, with their gradient
+    old: torch.Tensor         # its values when the round's advantages were computed (no gradient)
+    returns: torch.Tensor     # the GAE returns
+    mask: torch.Tensor        # 1 on the policy's tokens
+
+
+CriticTerm = Callable[[Values, GRPOConfig], "tuple[torch.Tensor | None, dict[str, torch.Tensor]]"]
+
+
+def value_term(v: Values, g: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped value loss."""
+    loss, clipped = clipped_value_loss(v.values, v.old, v.returns, g.critic.value_clip)
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": clipped.float()}
+
+
+CRITIC_TERMS: dict[str, CriticTerm] = {"value": value_term}
+CRITIC_REPORTED = ("value_loss", "value_clip_frac")
+
+
+def critic_token_loss(v: Values, g: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's per-token loss (its terms summed in table order) and their reported values."""
+    return summed(CRITIC_TERMS, v, g)
