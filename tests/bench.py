@@ -22,8 +22,13 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    generates the same prompts per round (async rounds drop the over-sampled surplus that sync
    rounds carry over).
 
+6. PPO against GRPO (`grpo.advantage` gae / group): the tiny preset's GRPO rounds on its model
+   (random init, a dense reward so the critic has values to learn), each mode in its own process,
+   alternating A B A B: the update's seconds per round (median of rounds 2..6; PPO's includes the
+   critic's value pass and steps) and the process's peak RSS.
+
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5 and
-the larger shape; `--only async` runs 5 alone.
+the larger shape; `--only async` runs 5 alone, `--only ppo` 6.
 """
 
 from __future__ import annotations
@@ -342,11 +347,74 @@ def async_rounds() -> dict:
     return {"rows": out}
 
 
+# ---------------------------------------------------------------- PPO against GRPO
+
+PPO_ROUNDS = 6
+
+
+def ppo_session(mode: str) -> None:
+    """One process: PPO_ROUNDS rounds of the tiny preset's GRPO stage (grpo.advantage=`mode`, no
+    warm-up) on a random-init model; prints a BENCH line."""
+    import resource
+
+    import torch
+
+    from trainer.config import load_config
+    from trainer.data import synthetic
+    from trainer.grpo import GRPOTrainer
+    from trainer.loop import run_round
+    from trainer.model import build_model
+    from trainer.tokenizer import train_tokenizer
+
+    torch.set_num_threads(2)
+    cfg = load_config("tiny", [f"grpo.advantage={mode}", "grpo.critic.warmup_rounds=0", "grpo.eval_every=1000",
+                               "grpo.checkpoint_every=1000", "grpo.rewards=[{name: tests.test_multirank.digit_share}]",
+                               "rollout.dynamic_filter=none"])
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 2000, "n_test": 10}), 0)
+    with tempfile.TemporaryDirectory() as d:
+        tok = train_tokenizer([m["content"] for ex in data.train for m in ex["messages"]], cfg.tokenizer.vocab_size,
+                              Path(d) / "tok")
+        trainer = GRPOTrainer(cfg, build_model(cfg.model, tok, 0), tok, data.train, data.test, Path(d) / "grpo")
+        for _ in range(PPO_ROUNDS):
+            run_round(trainer)
+    upd = [h["time/update_seconds"] for h in trainer.history[1:]]
+    print("BENCH " + json.dumps({"mode": mode, "update_seconds": statistics.median(upd),
+                                 "generate_seconds": statistics.median(h["time/generate_seconds"] for h in trainer.history[1:]),
+                                 "samples": trainer.history[-1]["update/samples"],
+                                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+
+
+def ppo_against_grpo(reps: int = 2) -> dict:
+    runs: dict[str, list[dict]] = {"group": [], "gae": []}
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    for _ in range(reps):
+        for mode in ("group", "gae"):  # A B A B
+            out = subprocess.run([sys.executable, "-m", "tests.bench", "--ppo-session", mode], capture_output=True,
+                                 text=True, env=env, timeout=1800)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+            if out.returncode != 0 or line is None:
+                raise RuntimeError(f"ppo session {mode} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+            r = json.loads(line[6:])
+            print(f"  {mode:<6} update {r['update_seconds']:.3f}s  generation {r['generate_seconds']:.3f}s  "
+                  f"peak RSS {r['peak_rss_mib']:,.0f} MiB", flush=True)
+            runs[mode].append(r)
+    agg = {m: {k: statistics.median(r[k] for r in rs) for k in ("update_seconds", "generate_seconds", "peak_rss_mib")}
+           for m, rs in runs.items()}
+    agg["samples_per_round"] = runs["gae"][0]["samples"]
+    agg["ratios"] = {"update": agg["gae"]["update_seconds"] / agg["group"]["update_seconds"],
+                     "peak_rss": agg["gae"]["peak_rss_mib"] / agg["group"]["peak_rss_mib"]}
+    return agg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
-    ap.add_argument("--only", choices=["async"], help="one part alone")
+    ap.add_argument("--only", choices=["async", "ppo"], help="one part alone")
+    ap.add_argument("--ppo-session", choices=["group", "gae"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.ppo_session:
+        ppo_session(a.ppo_session)
+        return
     import torch
 
     from trainer import kernels
@@ -362,7 +430,14 @@ def main() -> None:
         out["async"] = async_rounds()
         Path("bench-results").mkdir(exist_ok=True)
         Path("bench-results/bench-async.json").write_text(json.dumps(out, indent=2))
-        report(out)
+        report(out, "bench-results/bench-async.json")
+        return
+    if a.only == "ppo":
+        print("PPO against GRPO (tiny preset rounds, each mode its own process):", flush=True)
+        out["ppo"] = ppo_against_grpo()
+        Path("bench-results").mkdir(exist_ok=True)
+        Path("bench-results/bench-ppo.json").write_text(json.dumps(out, indent=2))
+        report(out, "bench-results/bench-ppo.json")
         return
     shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large", "smollm2"])
     print("GRPO sessions (TRL and posttrain alternating):", flush=True)
@@ -374,6 +449,8 @@ def main() -> None:
         out["pipeline"] = pipeline_overhead()
         print("async rounds (posttrain grpo, tiny preset):", flush=True)
         out["async"] = async_rounds()
+    print("PPO against GRPO (tiny preset rounds, each mode its own process):", flush=True)
+    out["ppo"] = ppo_against_grpo()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
     report(out)
@@ -387,7 +464,7 @@ def _cpu() -> str:
         return "unknown"
 
 
-def report(out: dict) -> None:
+def report(out: dict, path: str = "bench-results/bench.json") -> None:
     print()
     m = out["machine"]
     print(f"machine: {m['cpu']}, 2 threads, fp32 matmul {m['matmul_gflops']:.1f} GFLOP/s; posttrain kernels "
@@ -434,7 +511,14 @@ def report(out: dict) -> None:
             print(f"  {r['engine']:<8}{r['async_steps']:>12}{'pinned' if r['pinned'] else 'unpinned':>10}"
                   f"{r['rounds_per_minute']:>12.1f}{r['tokens_per_second']:>10,.0f}{r['vs_pinned_sync']:>9.2f}"
                   f"{r['queue_wait_seconds']:>8.3f}{r['update_seconds']:>10.3f}")
-    print("wrote bench-results/bench.json")
+    if "ppo" in out:
+        p = out["ppo"]
+        print(f"PPO (gae) against GRPO (group), tiny preset, {p['samples_per_round']} samples a round, medians:")
+        print(f"  {'':<8}{'update s':>10}{'generation s':>14}{'peak RSS MiB':>14}")
+        for m in ("group", "gae"):
+            print(f"  {m:<8}{p[m]['update_seconds']:>10.3f}{p[m]['generate_seconds']:>14.3f}{p[m]['peak_rss_mib']:>14,.0f}")
+        print(f"  gae / group: update {p['ratios']['update']:.2f}, peak RSS {p['ratios']['peak_rss']:.2f}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
