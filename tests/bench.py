@@ -406,6 +406,11 @@ def ppo_against_grpo(reps: int = 2) -> dict:
     return agg
 
 
+# the parts `--only` runs alone: (the line printed before it, the part)
+ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
+        "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
@@ -425,19 +430,14 @@ def main() -> None:
     gflops = matmul_gflops()
     out["machine"]["matmul_gflops"] = gflops
     print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
-    if a.only == "async":
-        print("async rounds (posttrain grpo, tiny preset):", flush=True)
-        out["async"] = async_rounds()
+    if a.only:  # one part alone, into its own file
+        title, run = ONLY[a.only]
+        print(title, flush=True)
+        out[a.only] = run()
+        path = f"bench-results/bench-{a.only}.json"
         Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/bench-async.json").write_text(json.dumps(out, indent=2))
-        report(out, "bench-results/bench-async.json")
-        return
-    if a.only == "ppo":
-        print("PPO against GRPO (tiny preset rounds, each mode its own process):", flush=True)
-        out["ppo"] = ppo_against_grpo()
-        Path("bench-results").mkdir(exist_ok=True)
-        Path("bench-results/bench-ppo.json").write_text(json.dumps(out, indent=2))
-        report(out, "bench-results/bench-ppo.json")
+        Path(path).write_text(json.dumps(out, indent=2))
+        report(out, path)
         return
     shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large", "smollm2"])
     print("GRPO sessions (TRL and posttrain alternating):", flush=True)

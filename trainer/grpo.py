@@ -201,11 +201,13 @@ class GRPOTrainer:
         stats: dict[str, float] = dict(batch.stats)
         samples, advs = [], []
         for group in batch.groups:
-            r = torch.tensor([group.rewards()], dtype=torch.float32)
             if self.critic is not None:  # gae: the critic's values, not the group, say what to expect
                 a = [0.0] * len(group.samples)
+            elif len(group.samples) > 1:
+                r = torch.tensor([group.rewards()], dtype=torch.float32)
+                a = losses.group_advantages(r, g.std_normalize)[0].tolist()
             else:
-                a = losses.group_advantages(r, g.std_normalize)[0].tolist() if len(group.samples) > 1 else [0.0]
+                a = [0.0]
             for s, adv in zip(group.samples, a):
                 if s.trained_tokens:  # a trajectory without a token of the policy's has nothing to train
                     samples.append(s)
