@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 
         check_environment(cfg.rollout.environment)
         check_critic(cfg.grpo)
+        if cfg.model.lora is not None:
+            from trainer.lora import check_config
+
+            check_config(cfg)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,10 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
     cfg = load_config(preset, overrides)
     check_environment(cfg.rollout.environment)  # a custom class that cannot be used stops the run here
     check_critic(cfg.grpo)  # likewise a saved critic without a value head
+    if cfg.model.lora is not None:  # and adapters this model cannot take
+        from trainer.lora import check_config
+
+        check_config(cfg)
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
     with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:

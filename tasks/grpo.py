@@ -105,7 +105,7 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     # a checkpoint at the last round: asking this stage for more rounds later continues from it
     if checkpoint.tag_for(trainer.round) not in checkpoint.committed_tags(trainer.ckpt_dir):
         trainer.save()
-    trainer.export(work / "model")
+    trainer.export(work / "model", work / "adapter")
     if trainer.critic is not None:  # gae: the critic too, as grpo.critic.path takes it
         trainer.export_critic(work / "critic")
     if ds.rank() == 0:  # the other ranks' history has no evals (rank 0 runs them)
@@ -133,6 +133,12 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     if trainer.critic is not None:
         logger.log_artifact(work / "critic", "critic")
         out["critic_subdir"] = "critic"
+    if cfg_lora := trainer.cfg.model.lora:  # the merged model above, and the adapter that made it
+        from tasks.sft import lora_tag
+
+        logger.log_artifact(work / "adapter", "adapter")
+        logger.set_tags({"posttrain.lora": lora_tag(cfg_lora)})
+        out["adapter_subdir"] = "adapter"
     return out
 
 

@@ -131,6 +131,13 @@ def reward_content(cfg: RunConfig) -> dict[str, Any]:
     return {**out, **environment_content(cfg)}
 
 
+def grpo_content(cfg: RunConfig) -> dict[str, Any]:
+    """GRPO's rewards and environment, and its adapters (model.lora, a section of the model's that
+    changes how GRPO trains; the SFT key it reads carries it too, this keeps it keyed when it does not)."""
+    lora = {"lora": cfg.model.lora.model_dump()} if cfg.model.lora is not None else {}
+    return {**reward_content(cfg), **lora}
+
+
 # ---------------------------------------------------------------- key rules (each row of tasks/stages.py holds one)
 
 @dataclass(frozen=True)

@@ -79,9 +79,22 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
             f"{port_note}", f"  $ {shlex.join(plan.command)}"]
 
 
+def _lora(cfg: RunConfig, generates: bool) -> list[str]:
+    c = cfg.model.lora
+    if c is None:
+        return []
+    targets = c.target_modules if isinstance(c.target_modules, str) else ", ".join(c.target_modules)
+    line = (f"  LoRA (peft): rank {c.rank}, alpha {c.alpha:g}, dropout {c.dropout:g} on {targets}; the optimizer and "
+            "checkpoints hold the adapters, the base is frozen; result: the merged model/ and the adapter/")
+    if generates:
+        line += ("; rollouts " + ("from merged weights (SGLang: a merged export each round)" if cfg.rollout.engine == "sglang"
+                 else "with the adapters merged in place" if c.merge else "computing the adapters at every token"))
+    return [line]
+
+
 def plan_sft(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
     if cfg.sft.enabled:
-        return _how("sft", cfg.sft.deepspeed, folder)
+        return _how("sft", cfg.sft.deepspeed, folder) + _lora(cfg, False)
     return [f"  sft: off (sft.enabled=false): {cfg.model.pretrained} is the starting policy, committed as this "
             "stage's model in this process; the evals and GRPO start from it"]
 
@@ -90,7 +103,7 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     from trainer.rl.orchestrator import groups_per_chunk, groups_per_round
     from trainer.rl.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
 
-    lines = _how("grpo", cfg.grpo.deepspeed, folder)
+    lines = _how("grpo", cfg.grpo.deepspeed, folder) + _lora(cfg, True)
     g = cfg.grpo
     if g.advantage == "gae":
         c = g.critic
@@ -158,7 +171,7 @@ def plan_control(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str
               f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
     start = "the SFT policy" if cfg.sft.enabled else "the starting policy"
     return [f"  SFT-only control: SFT continued from {start} at lr {cfg.control.lr:g} for {budget}",
-            *_how("sft", cfg.sft.deepspeed, folder)]  # the control runs the sft body
+            *_how("sft", cfg.sft.deepspeed, folder), *_lora(cfg, False)]  # the control runs the sft body
 
 
 def plan_eval(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:

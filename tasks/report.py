@@ -194,6 +194,13 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         "posttrain.config_hash": config_hash(cfg), "posttrain.pipeline_run": run.ref.parent_run_id,
         "posttrain.preset": cfg.name,
     }
+    if cfg.model.lora is not None:  # the version's source is the merged model; the adapter sits beside it
+        from tasks.sft import lora_tag
+
+        tags.update({"posttrain.lora": lora_tag(cfg.model.lora),
+                     "posttrain.adapter_uri": source.rsplit("/", 1)[0] + "/adapter"})
+    else:
+        tags["posttrain.lora"] = "none: full fine-tuning"
     if "grpo" in stages:
         tags.update({"posttrain.grpo_run": stages["grpo"]["source_run_id"], "posttrain.grpo_key": stages["grpo"]["key"]})
     if run.ref.flow_run_id:

@@ -18,7 +18,7 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
                      fault_at_step: int | None = None) -> dict:
     """The SFT stage's work on one rank: in this process, or on each rank under the launcher."""
     # torch and transformers load here, not at import: a fully cached run never needs them
-    from trainer import engine as ds
+    from trainer import engine as ds, lora
     from trainer.model import build_model, count_params, resolve_pretrained
     from trainer.sft import train_sft
     from trainer.tokenizer import load_tokenizer
@@ -32,14 +32,25 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
     if result.resumed_from_step is not None:
         logger.set_tags({"resumed_from_step": result.resumed_from_step})
-    ds.export_model(engine, tok, work / "model")
+    ds.export_model(engine, tok, work / "model", work / "adapter")
     metrics = {"sft/final_loss": result.final_loss, "sft/tokens_per_second": result.tokens_per_second,
                "sft/train_seconds": result.train_seconds, "sft/steps": result.steps,
-               "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(engine.module),
-               "sft/world_size": ds.world_size()}
+               "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(lora.inner(engine.module)),
+               "sft/trainable_params": lora.trainable_params(engine.module), "sft/world_size": ds.world_size()}
     logger.log_metrics(metrics)
     logger.log_artifact(work / "model", "model")  # a NullLogger off rank 0
-    return {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
+    out = {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
+    if cfg.model.lora is not None:  # the merged model above, and the adapter that made it
+        logger.log_artifact(work / "adapter", "adapter")
+        logger.set_tags({"posttrain.lora": lora_tag(cfg.model.lora)})
+        out["adapter_subdir"] = "adapter"
+    return out
+
+
+def lora_tag(c) -> str:
+    """What an MLflow run and a registry version say of a LoRA stage's model."""
+    targets = c.target_modules if isinstance(c.target_modules, str) else ",".join(c.target_modules)
+    return f"merged (rank {c.rank}, alpha {c.alpha:g}, {targets}); adapter in adapter/"
 
 
 def export_pretrained(model, tok, work: Path, logger) -> dict:

@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tasks.keys import SFT_UNKEYED, KeyRule, data_content, environment_content, model_content, reward_content
+from tasks.keys import SFT_UNKEYED, KeyRule, data_content, environment_content, grpo_content, model_content
 from trainer.config import RunConfig
 
 
@@ -79,7 +79,7 @@ STAGES: list[Stage] = [
         "grpo.pass_k": "periodic evals observe the policy",
         "grpo.deepspeed.timeout_s": "how long the launch may take",
         "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
-    }, content=reward_content, extends="grpo.rounds"),
+    }, content=grpo_content, extends="grpo.rounds"),
           "tasks.grpo:body", {"data": "prepare_data", "sft": "sft"}, enabled=_grpo_on, command="grpo", task=False,
           rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo"),
     Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},

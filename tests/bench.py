@@ -27,8 +27,12 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    alternating A B A B: the update's seconds per round (median of rounds 2..6; PPO's includes the
    critic's value pass and steps) and the process's peak RSS.
 
-Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5 and
-the larger shape; `--only async` runs 5 alone, `--only ppo` 6.
+7. LoRA against full fine-tuning (`model.lora.rank` 1, 8, 32): the smollm2-135m preset's GRPO rounds
+   on its real weights (a dense reward, no filtering: 32 samples a round), each in its own process:
+   the update's seconds (median of rounds 2..3), the trainable parameters and the peak RSS.
+
+Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
+the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7.
 """
 
 from __future__ import annotations
@@ -406,19 +410,87 @@ def ppo_against_grpo(reps: int = 2) -> dict:
     return agg
 
 
+# ---------------------------------------------------------------- LoRA against full fine-tuning
+
+LORA_ROUNDS = 3
+LORA_MODES = ("full", "1", "8", "32")  # full fine-tuning, then LoRA at these ranks
+
+
+def lora_session(mode: str) -> None:
+    """One process: LORA_ROUNDS GRPO rounds of the smollm2-135m preset (real weights; dense reward
+    so that no group is filtered and every round trains 32 samples), full fine-tuning or LoRA at
+    rank `mode`; prints a BENCH line."""
+    import resource
+
+    import torch
+
+    from trainer.config import load_config
+    from trainer.data import synthetic
+    from trainer.grpo import GRPOTrainer
+    from trainer.loop import run_round
+    from trainer.model import build_model
+    from trainer.tokenizer import load_tokenizer
+    from trainer.model import resolve_pretrained
+
+    torch.set_num_threads(2)
+    overrides = ["grpo.eval_every=1000", "grpo.checkpoint_every=1000", "rollout.dynamic_filter=none",
+                 "rollout.over_sample=1", "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
+    if mode != "full":
+        overrides += [f"model.lora.rank={mode}", "grpo.lr=1e-4"]
+    cfg = load_config("smollm2-135m", overrides)
+    data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 200, "n_test": 10}), 0)
+    tok = load_tokenizer(resolve_pretrained(cfg.model.pretrained))
+    with tempfile.TemporaryDirectory() as d:
+        trainer = GRPOTrainer(cfg, build_model(cfg.model, tok, 0), tok, data.train, data.test, Path(d) / "grpo")
+        for _ in range(LORA_ROUNDS):
+            run_round(trainer)
+        trainable = sum(p.numel() for p in trainer.ds.module.parameters() if p.requires_grad)
+    rest = trainer.history[1:]
+    print("BENCH " + json.dumps({"mode": mode, "update_seconds": statistics.median(h["time/update_seconds"] for h in rest),
+                                 "generate_seconds": statistics.median(h["time/generate_seconds"] for h in rest),
+                                 "tokens": statistics.median(h["update/trained_tokens"] for h in rest),
+                                 "samples": trainer.history[-1]["update/samples"], "trainable_params": trainable,
+                                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+
+
+def lora_against_full() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    rows = {}
+    for mode in LORA_MODES:
+        out = subprocess.run([sys.executable, "-m", "tests.bench", "--lora-session", mode], capture_output=True,
+                             text=True, env=env, timeout=3600)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+        if out.returncode != 0 or line is None:
+            raise RuntimeError(f"lora session {mode} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+        r = rows[mode] = json.loads(line[6:])
+        print(f"  {mode:<5} update {r['update_seconds']:.3f}s  generation {r['generate_seconds']:.3f}s  "
+              f"trainable {r['trainable_params']:,}  peak RSS {r['peak_rss_mib']:,.0f} MiB", flush=True)
+    full = rows["full"]
+    for r in rows.values():
+        r["update_vs_full"] = r["update_seconds"] / full["update_seconds"]
+        r["peak_rss_vs_full"] = r["peak_rss_mib"] / full["peak_rss_mib"]
+    return {"rows": rows, "rounds": LORA_ROUNDS}
+
+
 # the parts `--only` runs alone: (the line printed before it, the part)
 ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
-        "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo())}
+        "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo()),
+        "lora": ("LoRA against full fine-tuning (smollm2-135m GRPO rounds, each its own process):",
+                 lambda: lora_against_full())}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
-    ap.add_argument("--only", choices=["async", "ppo"], help="one part alone")
+    ap.add_argument("--only", choices=sorted(ONLY), help="one part alone")
     ap.add_argument("--ppo-session", choices=["group", "gae"], help=argparse.SUPPRESS)
+    ap.add_argument("--lora-session", choices=LORA_MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.ppo_session:
         ppo_session(a.ppo_session)
+        return
+    if a.lora_session:
+        lora_session(a.lora_session)
         return
     import torch
 
@@ -451,6 +523,9 @@ def main() -> None:
         out["async"] = async_rounds()
     print("PPO against GRPO (tiny preset rounds, each mode its own process):", flush=True)
     out["ppo"] = ppo_against_grpo()
+    if not a.quick:
+        print(ONLY["lora"][0], flush=True)
+        out["lora"] = lora_against_full()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
     report(out)
@@ -518,6 +593,15 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
         for m in ("group", "gae"):
             print(f"  {m:<8}{p[m]['update_seconds']:>10.3f}{p[m]['generate_seconds']:>14.3f}{p[m]['peak_rss_mib']:>14,.0f}")
         print(f"  gae / group: update {p['ratios']['update']:.2f}, peak RSS {p['ratios']['peak_rss']:.2f}")
+    if "lora" in out:
+        rows = out["lora"]["rows"]
+        print(f"LoRA against full fine-tuning, smollm2-135m GRPO, {rows['full']['samples']:.0f} samples a round, "
+              f"medians of rounds 2-{out['lora']['rounds']}:")
+        print(f"  {'':<10}{'trainable':>13}{'update s':>10}{'vs full':>9}{'generation s':>14}{'peak RSS MiB':>14}{'vs full':>9}")
+        for mode, r in rows.items():
+            name = "full" if mode == "full" else f"rank {mode}"
+            print(f"  {name:<10}{r['trainable_params']:>13,}{r['update_seconds']:>10.3f}{r['update_vs_full']:>9.2f}"
+                  f"{r['generate_seconds']:>14.3f}{r['peak_rss_mib']:>14,.0f}{r['peak_rss_vs_full']:>9.2f}")
     print(f"wrote {path}")
 
 

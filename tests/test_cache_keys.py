@@ -38,6 +38,7 @@ KEYED_CHANGES = [("prepare_data", "data.calculator_annotations=strip"), ("prepar
                  ("tokenizer", "tokenizer.vocab_size=300"), ("sft", "sft.lr=1e-4"), ("sft", "model.dtype=bfloat16"),
                  ("sft", "sft.max_seconds=30"), ("grpo", "grpo.lr=1e-4"), ("grpo", "rollout.temperature=0.5"),
                  ("grpo", "rollout.engine=sglang"), ("control", "control.lr=1e-4"),
+                 ("sft", "model.lora.rank=8"), ("grpo", "model.lora.rank=8"), ("control", "model.lora.rank=8"),
                  ("control", "control.time_factor=2"), ("eval", "eval.max_new_tokens=10"),
                  ("eval", "eval.seen_examples=100")]
 

@@ -278,19 +278,19 @@ def test_reward_rises_on_a_problem_learnable_in_seconds(tiny_tokenizer, tmp_path
 
 
 def test_exported_weights_are_host_copies_untied():
-    """export_model's state dict: every tensor its own CPU copy (equal values, no storage shared with
+    """export_model's state dict (trainer.lora.plain_state): every tensor its own CPU copy (equal values, no storage shared with
     the parameters or with each other, tied embeddings untied for safetensors). On a GPU the same
     `.to("cpu", copy=True)` puts the copy in host memory instead of a second model on the device;
     CUDA itself cannot run here."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.engine import host_copy
+    from trainer.lora import plain_state
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied
-    copied = host_copy(state)
+    copied = plain_state(model)
     ptrs = {t.data_ptr() for t in copied.values()}
     assert len(ptrs) == len(copied) and not ptrs & {p.data_ptr() for p in model.parameters()}
     assert all(t.device.type == "cpu" and torch.equal(t, state[k]) for k, t in copied.items())

@@ -124,16 +124,22 @@ def test_sigkill_then_rerun_is_exact(reference, small_sft, tmp_path, fault, stag
 # the checkpoints
 MULTI_TURN = OVERRIDES + ["rollout.environment.name=tests.test_multiturn:Scripted",
                           "rollout.environment.max_tokens=200", "grpo.advantage=gae",
-                          "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
+                          "grpo.rewards=[{name: tests.test_multirank.digit_share}]", "model.lora.rank=4",
+                          "model.lora.target_modules=[q_proj, v_proj, down_proj]", "sft.lr=3e-3", "grpo.lr=1e-3"]
 
 
-def test_sigkill_mid_round_of_a_multi_turn_ppo_stage_then_rerun_is_exact(tmp_path, small_sft):
-    """Long: three runs of the multi-turn GRPO stage with grpo.advantage=gae (uninterrupted, killed,
-    resumed), from the session's data, tokenizer and SFT. The resumed run ends with the uninterrupted
-    run's policy and critic (the manifest's state_hash covers both) and the same critic metrics."""
+def test_sigkill_mid_round_of_a_multi_turn_ppo_lora_stage_then_rerun_is_exact(tmp_path, small_sft):
+    """Long: three runs of the multi-turn GRPO stage with grpo.advantage=gae and LoRA adapters
+    (uninterrupted, killed, resumed), from the session's data and tokenizer; the SFT trains adapters
+    too (model.lora applies to every training stage). The resumed run ends with the uninterrupted
+    run's policy (base and adapters) and critic (the manifest's state_hash covers both, and the
+    optimizers' steps made them) and the same critic metrics. The uninterrupted run is also the
+    test of LoRA through the CLI, Prefect and MLflow: both training stages log the merged model and
+    the adapter, and the registered version says which it is."""
     ref, killed = seed(small_sft, tmp_path / "uninterrupted"), seed(small_sft, tmp_path / "killed")
     run_cli(ref, ref / "result.json", overrides=MULTI_TURN)
     reference = json.loads((ref / "result.json").read_text())
+    check_lora_lineage(reference)
     history = [json.loads(x) for x in
                (Path(manifest(reference, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
     assert min(h["rollout/turns_mean"] for h in history) > 2  # the episodes really had three turns
@@ -148,3 +154,24 @@ def test_sigkill_mid_round_of_a_multi_turn_ppo_stage_then_rerun_is_exact(tmp_pat
     assert result["headline"]["final_accuracy"] == reference["headline"]["final_accuracy"]
     resumed = [json.loads(x) for x in (Path(manifest(result, "grpo")["uri"]) / "history.jsonl").read_text().splitlines()]
     assert [h["critic/value_loss"] for h in resumed] == [h["critic/value_loss"] for h in history]
+
+
+def check_lora_lineage(result: dict) -> None:
+    """A LoRA run's stages: the merged model and the adapter in each training stage's folder and MLflow
+    run, the tags naming the adapter, and the registered version pointing at both."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    for stage in ("sft", "grpo"):
+        m = manifest(result, stage)
+        assert m["adapter_subdir"] == "adapter" and (Path(m["uri"]) / "adapter" / "adapter_config.json").is_file()
+        assert json.loads((Path(m["uri"]) / "adapter" / "adapter_config.json").read_text())["r"] == 4
+        config = json.loads((Path(m["uri"]) / "model" / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"]  # a plain model, the adapter merged in
+        run = client.get_run(m["mlflow_run_id"])
+        assert run.data.tags["posttrain.lora"].startswith("merged (rank 4")
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"model", "adapter"}
+    assert manifest(result, "sft")["metrics"]["sft/trainable_params"] < manifest(result, "sft")["metrics"]["sft/n_params"] / 5
+    name, version = result["registered_model"].split("/")
+    tags = client.get_model_version(name, version).tags
+    assert tags["posttrain.lora"].startswith("merged (rank 4") and tags["posttrain.adapter_uri"].endswith("/adapter")

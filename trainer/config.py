@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from trainer.errors import InputError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -113,6 +113,30 @@ class TokenizerConfig(Strict):
                                     "kept in decoded text (e.g. <tool_call>, </tool_call>, <|tool|>)")
 
 
+class LoRAConfig(Strict):
+    """Low-rank adapters (peft) on the policy: the optimizer and checkpoints hold the adapters, the base
+    stays frozen; the stage's result is the merged model plus the adapter (trainer.lora)."""
+
+    rank: int = Field(8, ge=1, description="the adapters' rank r (LoRA Without Regret: rank 1 already learns RL)")
+    alpha: float = Field(32.0, gt=0, description="the adapters' scale is alpha / rank (32, LoRA Without Regret's: "
+                         "with it the best learning rate is about 10x full fine-tuning's at every rank)")
+    dropout: float = Field(0.0, ge=0, lt=1.0, description="dropout on the adapters' input while training")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="all-linear (every linear layer but the output head), or the layers' names "
+        "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj on Llama and Qwen)")
+    merge: bool = Field(
+        True, description="the rollout engine generates with the adapters merged into the weights (in place "
+        "for the in-process engine, a merged export for SGLang); false: the in-process engine computes the "
+        "adapters at every token (slower, the base never touched), and SGLang cannot be used")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and (not v or not all(isinstance(x, str) and x for x in v)):
+            raise ValueError("give all-linear or a non-empty list of layer names, e.g. [q_proj, v_proj]")
+        return v
+
+
 class ModelConfig(Strict):
     pretrained: str | None = Field(
         None, description="local folder, s3:// URI, .gguf file (local or s3://, converted once to a cached "
@@ -124,6 +148,9 @@ class ModelConfig(Strict):
     intermediate_size: int = Field(384, ge=8)
     max_position: int = Field(256, ge=16)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: LoRAConfig | None = Field(
+        None, description="LoRA adapters for every training stage (SFT, GRPO, the control); unset: full "
+        "fine-tuning")
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
@@ -466,6 +493,12 @@ class RunConfig(Strict):
                 "grpo.deepspeed.zero_stage=1 or 2 (optimizer state and gradients sharded, whole weights on "
                 "each rank), or one rank"
             )
+        lc = self.model.lora
+        if lc is not None and not lc.merge and (self.rollout.engine == "sglang" or self.eval_engine() == "sglang"):
+            raise ValueError(
+                "model.lora.merge=false with SGLang (rollout.engine or eval.engine): posttrain hands SGLang merged "
+                "weights only, it cannot take the adapters themselves; set model.lora.merge=true (merged weights "
+                "pushed each round) or use the hf engine")
         return self
 
     def eval_engine(self) -> str:

@@ -186,24 +186,23 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
     return engine, optimizer, scheduler
 
 
-def host_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor copied into its own CPU memory (tied weights untied, as safetensors needs): on a GPU
-    the copy lands in host memory, not beside the weights (a whole second model on the device)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-def export_model(engine, tokenizer, out_dir: str | Path) -> None:
-    """save_pretrained of the full (unpartitioned) weights, from rank 0."""
+def export_model(engine, tokenizer, out_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
+    """save_pretrained of the full (unpartitioned) weights, from rank 0. A LoRA policy is saved merged
+    (a plain model every engine and stage loads), and its adapter alone into `adapter_dir` when given."""
     import deepspeed
+
+    from trainer import lora
 
     module = engine.module
     stage = engine.zero_optimization_stage()
     params = list(module.parameters()) if stage == 3 else []
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
         if rank() == 0:
-            state = host_copy(module.state_dict())
-            module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+            state = lora.plain_state(module)
+            lora.inner(module).save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(str(out_dir))
+            if adapter_dir is not None and lora.adapted(module):
+                module.save_pretrained(str(adapter_dir), safe_serialization=True)
 
 
 def state_dict_hash(module: torch.nn.Module) -> str:

@@ -37,8 +37,14 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the p
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the live batch has finished
 
 
-def unsupported(model: torch.nn.Module) -> str | None:
-    """Why the fast decoder cannot run `model` (None when it can)."""
+def unsupported(model: torch.nn.Module, adapters: bool = False) -> str | None:
+    """Why the fast decoder cannot run `model` (None when it can). `adapters`: the caller computes
+    LoRA adapters itself (trainer.fasttrain); the decoder reads the weights alone, so it needs them
+    merged in."""
+    from trainer.lora import unmerged
+
+    if not adapters and unmerged(model):
+        return "LoRA adapters not merged into the weights"
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED:

@@ -28,8 +28,12 @@ from trainer.fastgen import signed_sin, unsupported as decoder_unsupported
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
-    """Why these passes cannot run `model` (None when they can)."""
-    reason = decoder_unsupported(model)
+    """Why these passes cannot run `model` (None when they can). LoRA adapters (peft's layers) they
+    run: the frozen base through the compiled products, the adapters beside it (`_project`)."""
+    from trainer.lora import inner
+
+    model = inner(model)
+    reason = decoder_unsupported(model, adapters=True)
     if reason is not None:
         return reason
     cfg = model.config
@@ -121,6 +125,35 @@ class _Linear(torch.autograd.Function):
         return dx, None, *dws, *dbs
 
 
+def _adapter_delta(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """What peft's LoRA layer `m` adds to its base layer's output for x (None: a plain linear layer,
+    or adapters merged into the weight or switched off): the active adapters' scale * B(A(dropout(x))),
+    as peft's own forward computes it."""
+    if getattr(m, "lora_A", None) is None or m.merged or m.disable_adapters:
+        return None
+    out = None
+    for name in m.active_adapters:
+        if name not in m.lora_A:
+            continue
+        # the scale on the rank-wide product, not the layer-wide one: one pass over [rows, r]
+        d = F.linear(F.linear(m.lora_dropout[name](x), m.lora_A[name].weight) * m.scaling[name], m.lora_B[name].weight)
+        out = d if out is None else out + d
+    return out
+
+
+def _project(x: torch.Tensor, *layers: torch.nn.Module) -> torch.Tensor:
+    """x through the linear layers side by side (`_Linear`), each LoRA layer's adapters added to its
+    part: the base weights, frozen, take the compiled products, the small adapter products autograd."""
+    y = _Linear.apply(x, len(layers), *(m.weight for m in layers), *(getattr(m, "bias", None) for m in layers))
+    deltas = [_adapter_delta(m, x) for m in layers]
+    if all(d is None for d in deltas):
+        return y
+    if len(layers) == 1:
+        return y + deltas[0]
+    return y + torch.cat([d if d is not None else x.new_zeros(x.shape[0], m.weight.shape[0])
+                          for d, m in zip(deltas, layers)], dim=-1)
+
+
 def _rotary_tables(inner: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and rotate-half-signed sin at each row's position, [rows, head_dim] (the model's own rotary module)."""
     cos, sin = inner.rotary_emb(h, position_ids=positions)
@@ -136,8 +169,7 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     a, m = block.self_attn, block.mlp
     ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
     x = _RMSNorm.apply(h.reshape(B * S, H), ln1.weight, ln1.variance_epsilon)
-    qkv = _Linear.apply(x, 3, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_proj.bias, a.k_proj.bias,
-                        a.v_proj.bias)
+    qkv = _project(x, a.q_proj, a.k_proj, a.v_proj)
     qkv = _Rotary.apply(qkv, cos, sin, heads + kv_heads, hd)
     q, k, v = qkv.view(B, S, heads + 2 * kv_heads, hd).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     own = (k, v)
@@ -146,10 +178,10 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     # query heads share their KV head inside the kernel (HF repeats K/V into copies, and sums their gradients)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, enable_gqa=heads != kv_heads)
     o = o.transpose(1, 2).reshape(B * S, heads * hd)
-    h = h + _Linear.apply(o, 1, a.o_proj.weight, a.o_proj.bias).view(B, S, H)
+    h = h + _project(o, a.o_proj).view(B, S, H)
     x = _RMSNorm.apply(h.reshape(B * S, H), ln2.weight, ln2.variance_epsilon)
-    gu = _Linear.apply(x, 2, m.gate_proj.weight, m.up_proj.weight, None, None)
-    h = h + _Linear.apply(_SwiGLU.apply(gu), 1, m.down_proj.weight, None).view(B, S, H)
+    gu = _project(x, m.gate_proj, m.up_proj)
+    h = h + _project(_SwiGLU.apply(gu), m.down_proj).view(B, S, H)
     return h, own
 
 
@@ -157,8 +189,7 @@ def _logits(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     inner = model.model
     B, S, H = h.shape
     x = _RMSNorm.apply(h.reshape(B * S, H), inner.norm.weight, inner.norm.variance_epsilon)
-    head = model.get_output_embeddings()
-    return _Linear.apply(x, 1, head.weight, getattr(head, "bias", None)).view(B, S, -1)
+    return _project(x, model.get_output_embeddings()).view(B, S, -1)
 
 
 def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
@@ -167,7 +198,11 @@ def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     pmask 1 on real tokens) run once; sample i continues prompt inverse[i] with response rids[i]
     (right-padded; position j's logits come from the prompt's last token for j = 0, else from
     response token j - 1, so the last response token is not run). The responses' pads (rmask 0)
-    need no mask: they come after every real token, which attends causally."""
+    need no mask: they come after every real token, which attends causally. A peft model runs as the
+    model inside it, its adapters computed beside the weights."""
+    from trainer.lora import inner as unwrapped
+
+    model = unwrapped(model)
     inner = model.model
     cfg = model.config
     heads = cfg.num_attention_heads

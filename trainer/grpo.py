@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_constant_schedule_with_warmup
 
-from trainer import checkpoint, engine as ds
+from trainer import checkpoint, engine as ds, lora
 from trainer.answers import is_correct
 from trainer.chat import encode_prompt
 from trainer.data import prompt_messages, question_of
@@ -53,7 +53,10 @@ class GRPOTrainer:
         self.ckpt_dir = self.work_dir / "checkpoints"
         torch.manual_seed(cfg.seed)
         self.reference = None
-        if g.kl_coef > 0:  # the reference is loaded only when the KL term is on
+        lc = cfg.model.lora
+        # the reference is loaded only when the KL term is on; under LoRA it is the policy with its
+        # adapters switched off (no copy)
+        if g.kl_coef > 0 and lc is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         # PPO (grpo.advantage=gae): the critic, built from the policy's trunk before DeepSpeed (ZeRO-3)
         # partitions it, trained by its own engine and optimizer; saved in the policy's checkpoints
@@ -66,16 +69,21 @@ class GRPOTrainer:
                                       fused=next(critic.parameters()).device.type in ("cpu", "cuda"))
             self.critic = ds.initialize(critic, c_opt, get_constant_schedule_with_warmup(c_opt, 0),
                                         ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
+        if lc is not None:  # after the critic copied the trunk: the critic trains in full
+            model = lora.wrap(model, lc)
+        self.merge = lc.merge if lc is not None else True
         steps_per_round = g.mini_batches * g.epochs
-        # fused: AdamW's ~10 elementwise passes over the weights in one (torch's CPU and CUDA kernels)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99),
+        # fused: AdamW's ~10 elementwise passes over the weights in one (torch's CPU and CUDA kernels);
+        # the trainable weights only (under LoRA: the adapters)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=g.lr,
+                                      weight_decay=g.weight_decay, betas=(0.9, 0.99),
                                       fused=next(model.parameters()).device.type in ("cpu", "cuda"))
         scheduler = get_constant_schedule_with_warmup(optimizer, g.warmup_rounds * steps_per_round)
         self.ds = ds.initialize(model, optimizer, scheduler,
                                 ds.ds_config(g.deepspeed, g.micro_batch_size, 1, g.grad_clip))[0]
         if self.reference is not None:  # beside the policy, which DeepSpeed placed on the rank's device
             self.reference.to(self.ds.device)
-        self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size)
+        self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size, merge=self.merge)
         self.rewards = RewardMix.from_specs(g.rewards)
         self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward)
         # async rounds (rollout.async_steps = k): batches generated beside the update by a producer,
@@ -354,7 +362,8 @@ class GRPOTrainer:
     def _old_logprobs(self, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampling policy's (and the reference's) log-probs over the whole batch, before the
         first optimizer step changes the weights."""
-        mb, temp, dev = self.cfg.grpo.micro_batch_size, self.cfg.rollout.temperature, self.ds.device
+        g, temp, dev = self.cfg.grpo, self.cfg.rollout.temperature, self.ds.device
+        mb = g.micro_batch_size
         n, width = packed.mask.shape
         old, ref = [], []
         with torch.no_grad():
@@ -362,10 +371,20 @@ class GRPOTrainer:
                 part = rows(packed, list(range(i, min(i + mb, n)))).to(dev)
                 lp, _ = response_logprobs(self.ds.module, part, temp)
                 old.append(F.pad(lp, (0, width - lp.shape[1])))
-                if self.reference is not None:
-                    rp, _ = response_logprobs(self.reference, part, temp)
+                if g.kl_coef > 0:
+                    rp = self._reference_logprobs(part)
                     ref.append(F.pad(rp, (0, width - rp.shape[1])))
         return torch.cat(old), (torch.cat(ref) if ref else None)
+
+    def _reference_logprobs(self, part: PackedBatch) -> torch.Tensor:
+        """The reference policy's log-probs (the KL term's): its own copy, or under LoRA the policy
+        with its adapters switched off."""
+        temp = self.cfg.rollout.temperature
+        with torch.no_grad():
+            if self.reference is not None:
+                return response_logprobs(self.reference, part, temp)[0]
+            with self.ds.module.disable_adapter():
+                return response_logprobs(self.ds.module, part, temp)[0]
 
     def _micro_loss(self, packed: PackedBatch, idx: list[int],
                     before: tuple[torch.Tensor, torch.Tensor | None] | None, norm: float,
@@ -381,9 +400,8 @@ class GRPOTrainer:
         w = part.mask.shape[1]
         if before is None:
             old, ref = lp.detach(), None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref, _ = response_logprobs(self.reference, part, temp)
+            if g.kl_coef > 0:
+                ref = self._reference_logprobs(part)
         else:
             sel = torch.tensor(idx, device=dev)
             old = before[0][sel, :w]
@@ -442,7 +460,9 @@ class GRPOTrainer:
         # through the rollout engine when it is a server (SGLang): the weights it serves are this round's
         served = None if isinstance(self.engine, HFEngine) else self.engine
         env = self.cfg.rollout.environment
-        greedy = evaluate(self.ds.module, self.tok, examples, ecfg, engine=served, environment=env)
+        policy = lora.inner(self.ds.module)
+        with lora.merged(policy, self.merge and served is None):
+            greedy = evaluate(policy, self.tok, examples, ecfg, engine=served, environment=env)
         metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
                    "eval/format_rate": greedy.format_rate, **{f"eval/{k}": v for k, v in greedy.tools.items()}}
         if g.pass_k > 1 and not env.multi_turn:  # pass@k samples single answers
@@ -490,8 +510,9 @@ class GRPOTrainer:
         finally:
             self.engine.close()
 
-    def export(self, out_dir: str | Path) -> None:
-        ds.export_model(self.ds, self.tok, out_dir)
+    def export(self, out_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
+        """The policy as a save_pretrained folder (merged under LoRA; the adapter alone into adapter_dir)."""
+        ds.export_model(self.ds, self.tok, out_dir, adapter_dir)
 
     def export_critic(self, out_dir: str | Path) -> None:
         """The critic as a save_pretrained token classifier (what grpo.critic.path takes)."""

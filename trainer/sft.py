@@ -205,13 +205,18 @@ def train_sft(
     if n_truncated:
         log.warning("sft: %d of %d examples truncated to max_length=%d", n_truncated, len(examples), s.max_length)
     total = planned_steps(cfg, len(data))
+    if cfg.model.lora is not None:  # the adapters train, the rest is frozen
+        from trainer import lora
+
+        model = lora.wrap(model, cfg.model.lora)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=s.lr, betas=(0.9, 0.95),
-    )
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # DeepSpeed drops an empty group (LoRA's adapters are all matrices) and the scheduler then miscounts
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=s.lr, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, min(s.warmup_steps, total), total)
     engine, _, _ = ds.initialize(model, optimizer, scheduler,
                                  ds.ds_config(s.deepspeed, s.micro_batch_size, s.grad_accum, s.grad_clip))

@@ -163,8 +163,11 @@ class _Producer:
 # ---------------------------------------------------------------- the hf engine: a process of its own
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the weights the trainer can keep changing (sent through shared memory)."""
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    """A copy of the weights the trainer can keep changing (sent through shared memory); a LoRA
+    policy's merged, under the plain model's names."""
+    from trainer.lora import plain_state
+
+    return plain_state(module)
 
 
 def _watch_parent(parent: int) -> None:
@@ -221,10 +224,12 @@ class ProcessProducer(_Producer):
         super().__init__()
         import torch.multiprocessing as mp
 
+        from trainer.lora import inner
+
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         param = next(module.parameters())
-        spec = {"rollout": cfg.rollout, "examples": examples, "tok": tok, "model_config": module.config,
+        spec = {"rollout": cfg.rollout, "examples": examples, "tok": tok, "model_config": inner(module).config,
                 "dtype": param.dtype, "device": str(param.device), "seed": seed, "parent": os.getpid(),
                 "threads": cfg.rollout.worker_threads, "cpus": list(cfg.rollout.worker_cpus)}
         self.proc = ctx.Process(target=_serve, args=(spec, self.inbox, self.outbox), name="posttrain-rollout")

@@ -35,17 +35,24 @@ class RolloutEngine(Protocol):
 
 
 class HFEngine:
-    """In-process generation with the policy's own module (world size 1)."""
+    """In-process generation with the policy's own module (world size 1). A LoRA policy generates with
+    its adapters merged into the weights for the call (`merge`, trainer.lora.merged: no copy of the
+    base), or computed at every token (merge=False)."""
 
     concurrent = False  # one call at a time: it computes in this process
 
-    def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512) -> None:
-        self.module, self.tok, self.batch_size = module, tok, batch_size
+    def __init__(self, module: torch.nn.Module, tok, batch_size: int = 512, merge: bool = True) -> None:
+        from trainer.lora import inner
+
+        self.module, self.tok, self.batch_size, self.merge = inner(module), tok, batch_size, merge
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
-                        top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
-                        min_new_tokens=params.min_new_tokens, stop=params.stop)
+        from trainer.lora import merged
+
+        with merged(self.module, self.merge):
+            return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
+                            top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
+                            min_new_tokens=params.min_new_tokens, stop=params.stop)
 
     def update_weights(self, model_dir: str | None) -> None:
         pass  # shares the trainer's parameters
