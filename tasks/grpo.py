@@ -134,10 +134,8 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
         logger.log_artifact(work / "critic", "critic")
         out["critic_subdir"] = "critic"
     if cfg_lora := trainer.cfg.model.lora:  # the merged model above, and the adapter that made it
-        from tasks.sft import lora_tag
-
         logger.log_artifact(work / "adapter", "adapter")
-        logger.set_tags({"posttrain.lora": lora_tag(cfg_lora)})
+        logger.set_tags({"posttrain.lora": f"merged ({cfg_lora.describe()}); adapter in adapter/"})
         out["adapter_subdir"] = "adapter"
     return out
 

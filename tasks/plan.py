@@ -83,8 +83,7 @@ def _lora(cfg: RunConfig, generates: bool) -> list[str]:
     c = cfg.model.lora
     if c is None:
         return []
-    targets = c.target_modules if isinstance(c.target_modules, str) else ", ".join(c.target_modules)
-    line = (f"  LoRA (peft): rank {c.rank}, alpha {c.alpha:g}, dropout {c.dropout:g} on {targets}; the optimizer and "
+    line = (f"  LoRA (peft): {c.describe()}; the optimizer and "
             "checkpoints hold the adapters, the base is frozen; result: the merged model/ and the adapter/")
     if generates:
         line += ("; rollouts " + ("from merged weights (SGLang: a merged export each round)" if cfg.rollout.engine == "sglang"

@@ -195,9 +195,7 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         "posttrain.preset": cfg.name,
     }
     if cfg.model.lora is not None:  # the version's source is the merged model; the adapter sits beside it
-        from tasks.sft import lora_tag
-
-        tags.update({"posttrain.lora": lora_tag(cfg.model.lora),
+        tags.update({"posttrain.lora": f"merged ({cfg.model.lora.describe()}); adapter in adapter/",
                      "posttrain.adapter_uri": source.rsplit("/", 1)[0] + "/adapter"})
     else:
         tags["posttrain.lora"] = "none: full fine-tuning"

@@ -42,15 +42,10 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     out = {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
     if cfg.model.lora is not None:  # the merged model above, and the adapter that made it
         logger.log_artifact(work / "adapter", "adapter")
-        logger.set_tags({"posttrain.lora": lora_tag(cfg.model.lora)})
+        logger.set_tags({"posttrain.lora": f"merged ({cfg.model.lora.describe()}); adapter in adapter/"})
         out["adapter_subdir"] = "adapter"
     return out
 
-
-def lora_tag(c) -> str:
-    """What an MLflow run and a registry version say of a LoRA stage's model."""
-    targets = c.target_modules if isinstance(c.target_modules, str) else ",".join(c.target_modules)
-    return f"merged (rank {c.rank}, alpha {c.alpha:g}, {targets}); adapter in adapter/"
 
 
 def export_pretrained(model, tok, work: Path, logger) -> dict:

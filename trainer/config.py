@@ -129,6 +129,11 @@ class LoRAConfig(Strict):
         "for the in-process engine, a merged export for SGLang); false: the in-process engine computes the "
         "adapters at every token (slower, the base never touched), and SGLang cannot be used")
 
+    def describe(self) -> str:
+        """One line for the dry run, MLflow tags and registry versions."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else ",".join(self.target_modules)
+        return f"rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g}, {targets}"
+
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v: str | list[str]) -> str | list[str]:
