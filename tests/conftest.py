@@ -27,6 +27,13 @@ os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
 os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "trainer"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # trainer/ also runs outside flows
+# One torch thread a process (unless the caller set OMP_NUM_THREADS): two pytest workers share the 2
+# cores, each with CLI runs, ranks and SGLang servers beside it, and a process whose thread pool
+# spans both cores stalls at every parallel op's barrier while the other worker holds a core
+# (SmolLM2 on an SGLang CPU server beside the other worker: 1.8 s a decode step with 2 threads,
+# 0.2 s with 1, AVX2 EPYC). What runs on several threads is tested where it is set on purpose
+# (test_determinism_load: 2 threads on one core; test_gemm; resuming with other threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
 os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

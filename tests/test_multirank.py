@@ -270,6 +270,23 @@ def test_the_local_launcher_gives_each_rank_its_place_and_stops_the_rest_when_on
     assert ok.returncode == 0 and ok.stdout.count("exits successfully") == 3, ok.stdout + ok.stderr
 
 
+def test_each_local_rank_gets_its_share_of_the_cores_as_threads_unless_omp_num_threads_is_set(tmp_path):
+    """N ranks each taking every core oversubscribe them N times over: the launcher gives each rank
+    cores // N torch threads (at least one), and an OMP_NUM_THREADS the user set is left alone."""
+    from trainer.local_launch import rank_threads
+
+    assert [rank_threads(n, 16) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+    rank = f"import os, torch; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(str(torch.get_num_threads()))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # two ranks share the cores; one rank told to take 1 thread takes 1 (torch caps threads at the cores)
+    for nprocs, omp, want in ((2, None, rank_threads(2)), (1, None, rank_threads(1)), (1, "1", 1)):
+        out = subprocess.run([sys.executable, "-m", "trainer.local_launch", "--nprocs", str(nprocs), "--master_port",
+                              "29998", "--", sys.executable, "-c", rank], capture_output=True, text=True, timeout=300,
+                             env=env if omp is None else {**env, "OMP_NUM_THREADS": omp})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert [(tmp_path / str(i)).read_text() for i in range(nprocs)] == [str(want)] * nprocs, (nprocs, omp)
+
+
 def test_the_local_launcher_stops_its_ranks_on_sigterm(tmp_path):
     import signal
 

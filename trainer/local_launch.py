@@ -10,7 +10,10 @@ Several machines (a hostfile) still go through DeepSpeed's runner (trainer.launc
 
 Each rank gets the environment DeepSpeed's launcher gives it (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
 RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE) and `--local_rank=I`; CUDA_VISIBLE_DEVICES
-is left as it is (each rank takes device LOCAL_RANK of what it sees). The lines trainer.launch's
+is left as it is (each rank takes device LOCAL_RANK of what it sees). Unless OMP_NUM_THREADS is set,
+each rank gets its share of this process's cores as torch threads (`rank_threads`, as torchrun
+does): left alone, every rank's torch takes all the cores, N ranks' thread pools then share them N
+times over, and each parallel op waits at its barrier for threads the other ranks' preempted. The lines trainer.launch's
 supervisor reads are printed in DeepSpeed's words: `process PID spawned with command: [...]` for
 each rank; when a rank exits non-zero, `local rank I (pid PID) failed first, ...` (which DeepSpeed's
 launcher does not say), `Killing subprocess PID` for each rank still running and
@@ -34,11 +37,19 @@ def _say(line: str) -> None:
     print(f"[posttrain local_launch] {line}", flush=True)
 
 
+def rank_threads(nprocs: int, cores: int | None = None) -> int:
+    """Torch threads for each of `nprocs` ranks on this machine: the cores this process may use,
+    shared out (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return max(1, cores // nprocs)
+
+
 class Ranks:
     def __init__(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
         env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(nprocs),
                    LOCAL_SIZE=str(nprocs), CROSS_RANK="0", CROSS_SIZE="1")
+        env.setdefault("OMP_NUM_THREADS", str(rank_threads(nprocs)))
         self.pids: list[int] = []
         for i in range(nprocs):
             cmd = [*command, f"--local_rank={i}"]
