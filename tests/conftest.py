@@ -200,27 +200,29 @@ def smollm2(smollm2_gguf):
     return Path(folder), load_model(folder), load_tokenizer(folder)
 
 
-# The longest test files, longest first (seconds measured on a 2-core AMD EPYC, Zen 3, 2026-11-26,
-# beside the other worker, after the changes of that afternoon): a file runs whole on one worker,
-# in this order (`--dist loadfile --no-loadscope-reorder`; xdist would otherwise start the files with
-# the most tests, the fast unit files), so the long ones start first and the short ones even out the
+# The longest test files, longest first (seconds measured on a 2-core AMD EPYC, Zen 3, 2026-11-27,
+# beside the other worker, one torch thread a process): a file runs whole on one worker, in this
+# order (`--dist loadfile --no-loadscope-reorder`; xdist would otherwise start the files with the
+# most tests, the fast unit files), so the long ones start first and the short ones even out the
 # end. Tests keep their order within a file; the rest follow in their usual order.
-LONGEST_FIRST = ["test_sglang_pipeline",   # 950
-                 "test_determinism_load",  # 445 (squeezed runs, no CPU burners)
-                 "test_deployments",       # about 700
-                 "test_multirank",         # 420
-                 "test_resume_kill",       # 410
-                 "test_async",             # 307
-                 "test_smollm2_sglang",    # 294
-                 "test_gpu_preset_path",   # 253
-                 "test_concurrency",       # 211
-                 "test_fastgen",           # about 200
-                 "test_s3",                # 199
-                 "test_pipeline",          # 129
-                 "test_sglang_server",     # 124
-                 "test_cli_server",        # 67
-                 "test_damaged_state",     # 50
-                 "test_answers",           # 45
+LONGEST_FIRST = ["test_deployments",       # 626
+                 "test_sglang_pipeline",   # 583
+                 "test_determinism_load",  # 380 (squeezed runs)
+                 "test_multirank",         # 308
+                 "test_async",             # 258
+                 "test_resume_kill",       # 258
+                 "test_smollm2_sglang",    # 174
+                 "test_concurrency",       # 170
+                 "test_s3",                # 168
+                 "test_gpu_preset_path",   # 135
+                 "test_sglang_server",     # 113
+                 "test_fastgen",           # 94
+                 "test_pipeline",          # 93
+                 "test_cli_server",        # 51
+                 "test_answers",           # 48
+                 "test_damaged_state",     # 43
+                 "test_gguf",              # 37
+                 "test_sft_off",           # 31
                  ]
 
 

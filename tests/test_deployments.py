@@ -101,6 +101,7 @@ def test_serve_starts_everything_and_deploys(served):
         assert deployment(served, name).work_pool_name == "posttrain-local", name
     pool = api(served, lambda c: c.read_work_pool("posttrain-local"))
     assert pool.type == "process"
+    assert served.env["PREFECT_WORKER_QUERY_SECONDS"] == "2"  # a triggered run starts within about 2 s, not 10
 
 
 def test_nightly_schedule_and_concurrency(served):
