@@ -276,7 +276,8 @@ def test_each_local_rank_gets_its_share_of_the_cores_as_threads_unless_omp_num_t
     from trainer.local_launch import rank_threads
 
     assert [rank_threads(n, 16) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
-    rank = f"import os, torch; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(str(torch.get_num_threads()))"
+    rank = (f"import os, torch; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
+            ".write(str(torch.get_num_threads()))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     # two ranks share the cores; one rank told to take 1 thread takes 1 (torch caps threads at the cores)
     for nprocs, omp, want in ((2, None, rank_threads(2)), (1, None, rank_threads(1)), (1, "1", 1)):

@@ -13,10 +13,12 @@ RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE) and `--local_rank=I`; CUDA
 is left as it is (each rank takes device LOCAL_RANK of what it sees). Unless OMP_NUM_THREADS is set,
 each rank gets its share of this process's cores as torch threads (`rank_threads`, as torchrun
 does): left alone, every rank's torch takes all the cores, N ranks' thread pools then share them N
-times over, and each parallel op waits at its barrier for threads the other ranks' preempted. The lines trainer.launch's
-supervisor reads are printed in DeepSpeed's words: `process PID spawned with command: [...]` for
-each rank; when a rank exits non-zero, `local rank I (pid PID) failed first, ...` (which DeepSpeed's
-launcher does not say), `Killing subprocess PID` for each rank still running and
+times over, and each parallel op waits at its barrier for threads the other ranks preempted.
+
+The lines trainer.launch's supervisor reads are printed in DeepSpeed's words: `process PID spawned
+with command: [...]` for each rank; when a rank exits non-zero, `local rank I (pid PID) failed
+first, ...` (which DeepSpeed's launcher does not say), `Killing subprocess PID` for each rank still
+running and
 `[...] exits with return code = N`, and this process exits with that code (a signal's -N as
 sys.exit does). SIGTERM or SIGINT stops every rank (SIGTERM, then SIGKILL after GRACE_S) and exits 1.
 """
