@@ -13,6 +13,7 @@ launcher's environment) and supervised by the stage's Prefect task.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -288,19 +289,30 @@ def test_each_local_rank_gets_its_share_of_the_cores_as_threads_unless_omp_num_t
         assert [(tmp_path / str(i)).read_text() for i in range(nprocs)] == [str(want)] * nprocs, (nprocs, omp)
 
 
-def test_the_local_launcher_stops_its_ranks_on_sigterm(tmp_path):
+@pytest.mark.parametrize("after_lines", [1, 4], ids=["while-spawning", "once-spawned"])
+def test_the_local_launcher_stops_its_ranks_on_sigterm(tmp_path, after_lines):
+    """SIGTERM stops every rank the launcher started, also one that arrives while it is still
+    starting them (after the first `spawned` line of four, usually before the second): a rank
+    started before the signal was acted on is never left running."""
     import signal
 
-    marker = f"sigterm-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.local_launch", "--nprocs", "2", "--master_port", "29999",
+    marker = f"sigterm-{os.getpid()}-{after_lines}"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.local_launch", "--nprocs", "4", "--master_port", "29999",
                              "--", sys.executable, "-c", "import time; time.sleep(600)", marker],
                             stdout=subprocess.PIPE, text=True)
-    spawned = [proc.stdout.readline() for _ in range(2)]
-    assert all("spawned with command" in line for line in spawned), spawned
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 1
-    assert "Killing subprocess" in proc.stdout.read()
-    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+    try:
+        spawned = [proc.stdout.readline() for _ in range(after_lines)]
+        proc.send_signal(signal.SIGTERM)
+        assert all("spawned with command" in line for line in spawned), spawned
+        assert proc.wait(timeout=60) == 1
+        orphans = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+        assert orphans == [], f"ranks left running after the launcher exited: {orphans}"
+        out = "".join(spawned) + proc.stdout.read()  # no rank left to hold the pipe open
+        started = re.findall(r"process (\d+) spawned with command", out)
+        assert started and sorted(re.findall(r"Killing subprocess (\d+)", out)) == sorted(started), out
+    finally:
+        proc.kill()
+        subprocess.run(["pkill", "-9", "-f", marker])
 
 
 def test_a_launch_takes_its_rendezvous_file_with_it(tmp_path):

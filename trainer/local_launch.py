@@ -20,7 +20,8 @@ with command: [...]` for each rank; when a rank exits non-zero, `local rank I (p
 first, ...` (which DeepSpeed's launcher does not say), `Killing subprocess PID` for each rank still
 running and
 `[...] exits with return code = N`, and this process exits with that code (a signal's -N as
-sys.exit does). SIGTERM or SIGINT stops every rank (SIGTERM, then SIGKILL after GRACE_S) and exits 1.
+sys.exit does). SIGTERM or SIGINT stops every rank (SIGTERM, then SIGKILL after GRACE_S) and exits 1, also when it
+arrives while the ranks are being started (each rank is recorded before the signal is acted on).
 """
 
 from __future__ import annotations
@@ -46,18 +47,43 @@ def rank_threads(nprocs: int, cores: int | None = None) -> int:
     return max(1, cores // nprocs)
 
 
+class Stop(Exception):
+    """SIGTERM or SIGINT arrived: stop the ranks and exit 1."""
+
+
 class Ranks:
-    def __init__(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
+    def __init__(self) -> None:
+        self.pids: list[int] = []
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
+        self.signalled: int | None = None
+        self.spawning = False
+        self.stopping = False
+
+    def start(self, command: list[str], nprocs: int, master_addr: str, master_port: int) -> None:
+        """Spawn the ranks. A signal while spawning is held until the rank being spawned is in
+        `pids` (then Stop), so stopping never misses one that was already started."""
         env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(nprocs),
                    LOCAL_SIZE=str(nprocs), CROSS_RANK="0", CROSS_SIZE="1")
         env.setdefault("OMP_NUM_THREADS", str(rank_threads(nprocs)))
-        self.pids: list[int] = []
+        self.spawning = True
         for i in range(nprocs):
             cmd = [*command, f"--local_rank={i}"]
             proc = subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)})
             self.pids.append(proc.pid)  # reaped below with os.waitpid, not through the Popen object
             _say(f"process {proc.pid} spawned with command: {cmd}")
+            if self.signalled is not None:
+                break
+        self.spawning = False
+        if self.signalled is not None:
+            raise Stop
+
+    def on_signal(self, signum, frame) -> None:
+        if self.stopping or self.signalled is not None:
+            return  # already stopping
+        _say(f"received {signal.Signals(signum).name}, stopping the ranks")
+        self.signalled = signum
+        if not self.spawning:
+            raise Stop
 
     def alive(self) -> list[int]:
         return [p for p in self.pids if p not in self.codes]
@@ -74,7 +100,9 @@ class Ranks:
         return pid
 
     def stop(self) -> None:
-        """SIGTERM every rank still running, then SIGKILL what is left after GRACE_S."""
+        """SIGTERM every rank still running, then SIGKILL what is left after GRACE_S (a signal
+        arriving meanwhile changes nothing)."""
+        self.stopping = True
         for pid in self.alive():
             _say(f"Killing subprocess {pid}")
             try:
@@ -104,29 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.nprocs < 1 or not command:
         parser.error("needs --nprocs >= 1 and a command after --")
-    ranks: Ranks | None = None
-
-    def on_signal(signum, frame):
-        _say(f"received {signal.Signals(signum).name}, stopping the ranks")
-        if ranks is not None:
-            ranks.stop()
-        sys.exit(1)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    ranks = Ranks(command, args.nprocs, args.master_addr, args.master_port)
-    while ranks.alive():
-        pid = ranks.reap(block=True)
-        if pid is None:
-            break
-        code = ranks.codes[pid]
-        if code != 0:
-            _say(f"local rank {ranks.pids.index(pid)} (pid {pid}) failed first, with exit code {code}")
-            ranks.stop()
-            _say(f"{command} exits with return code = {code}")
-            return code
-        _say(f"Process {pid} exits successfully.")
-    return 0
+    ranks = Ranks()
+    signal.signal(signal.SIGTERM, ranks.on_signal)
+    signal.signal(signal.SIGINT, ranks.on_signal)
+    try:
+        ranks.start(command, args.nprocs, args.master_addr, args.master_port)
+        while ranks.alive():
+            pid = ranks.reap(block=True)
+            if pid is None:
+                break
+            code = ranks.codes[pid]
+            if code != 0:
+                _say(f"local rank {ranks.pids.index(pid)} (pid {pid}) failed first, with exit code {code}")
+                ranks.stop()
+                _say(f"{command} exits with return code = {code}")
+                return code
+            _say(f"Process {pid} exits successfully.")
+        return 0
+    except Stop:
+        ranks.stop()
+        return 1
 
 
 if __name__ == "__main__":
