@@ -124,3 +124,88 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
         # each float32 path lands up to ~1e-5 of the largest entry from the float64 gradient (measured:
         # HF's 6.7e-6, the compiled products' 9.5e-6 on qwen2's k_proj), so they differ by up to twice that
         assert torch.allclose(a, c, rtol=1e-4, atol=3e-5 * a.abs().max())
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_head_logprobs_match_the_log_softmax_block_by_block(with_entropy, monkeypatch):
+    """`head_logprobs` (the head's log-probs a block of rows at a time, the logits made again in the
+    backward pass) gives log_softmax's values, entropies and gradients in the hidden states and the
+    head's weight: blocks of 8 rows over 37 rows (a remainder of 5), a temperature, no rows at all."""
+    from trainer.rl import logprobs
+
+    torch.manual_seed(0)
+    N, H, V, T = 37, 16, 50, 0.7
+    x = torch.randn(N, H, dtype=torch.float64).float().requires_grad_(True)
+    w = torch.randn(V, H).requires_grad_(True)
+    t = torch.randint(0, V, (N,))
+    ga, gb = torch.randn(N), torch.randn(N)
+    monkeypatch.setattr(logprobs, "HEAD_BLOCK_ELEMENTS", 8 * V)
+    lp, ent = logprobs.head_logprobs(x, w, t, T, with_entropy=with_entropy)
+    assert (ent is not None) == with_entropy
+    got = torch.autograd.grad((lp * ga + (ent * gb if with_entropy else 0)).sum(), [x, w])
+    ls = torch.log_softmax(x.double() @ w.double().t() / T, -1)
+    want_lp, want_ent = ls.gather(-1, t[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    want = torch.autograd.grad((want_lp * ga + (want_ent * gb if with_entropy else 0)).sum(), [x, w])
+    assert torch.allclose(lp.double(), want_lp, atol=1e-5)
+    if with_entropy:
+        assert torch.allclose(ent.double(), want_ent, atol=1e-5)
+    for g, g_want in zip(got, want):
+        assert torch.allclose(g, g_want, atol=1e-5 * g_want.abs().max().item())
+    empty = logprobs.head_logprobs(x[:0], w, t[:0], T, with_entropy=True)
+    assert empty[0].shape == empty[1].shape == (0,)
+
+
+def test_head_logprobs_hold_no_rows_by_vocabulary_tensor(tmp_path):
+    """The memory of `head_logprobs` does not grow with rows x vocabulary: 4,096 rows over a
+    65,536-token vocabulary (1 GiB of float32 logits; log_softmax's pass holds three such tensors
+    at its peak) take forward and backward within a quarter of that above what the inputs hold."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from trainer.rl.logprobs import head_logprobs
+torch.manual_seed(0)
+x = torch.randn(4096, 64, requires_grad=True); w = torch.randn(65536, 64, requires_grad=True)
+t = torch.randint(0, 65536, (4096,))
+x.grad = torch.zeros_like(x); w.grad = torch.zeros_like(w)  # the gradients' own memory, before the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+lp, ent = head_logprobs(x, w, t, 0.8, with_entropy=True)
+(lp.sum() + ent.sum()).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    grew = int(out.stdout.split()[-1])
+    assert grew < 4096 * 65536 * 4 / 4, f"grew {grew / 2**20:.0f} MiB"
+
+
+def test_shared_prompt_passes_give_the_same_logprobs_with_the_head_in_blocks_or_whole(tmp_path, monkeypatch):
+    """A model whose logits are not just its head's product (PLAIN_HEAD_MODELS emptied here) takes
+    the whole-logits path: it gives the blocked path's log-probs, entropies and gradients."""
+    import random
+
+    from tests.bench_ref import tokenizer
+    from tests.test_fastgen import _model, _prompts
+    from trainer.rl import logprobs
+    from trainer.rl.trajectory import pack, Sample
+
+    tok = tokenizer(tmp_path / "tok")
+    model = _model("llama", tok).train()
+    rng = random.Random(1)
+    responses = [(g, p, [rng.randrange(7, 80) for _ in range(rng.randint(1, 9))])
+                 for g, p in enumerate(_prompts(tok, 4)) for _ in range(3)]
+    samples = [Sample(g, p, r, [0.0] * len(r), "", "length") for g, p, r in responses]
+    b = pack(samples, [0.0] * len(samples), tok.pad_token_id)
+    params = list(model.parameters())
+    results = []
+    for plain in (logprobs.PLAIN_HEAD_MODELS, ()):
+        monkeypatch.setattr(logprobs, "PLAIN_HEAD_MODELS", plain)
+        assert (logprobs.output_head(model) is None) == (plain == ())
+        lp, ent = logprobs.shared_prefix_logprobs(model, b.ids, b.attn, b.prompt_len, with_entropy=True,
+                                                  temperature=0.9)
+        results.append((lp, ent, torch.autograd.grad(((lp + 0.1 * ent) * b.mask).sum(), params)))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=2e-5) and torch.allclose(ent_a, ent_b, atol=2e-5)
+    for a, c in zip(g_a, g_b):
+        assert torch.allclose(a, c, rtol=1e-4, atol=3e-5 * a.abs().max())

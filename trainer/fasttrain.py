@@ -12,9 +12,9 @@ every one a trip through memory. Here the same layer runs on the model's own par
 - attention as torch's SDPA on the same masks as the model's, query heads reading their shared KV
   head in place (`enable_gqa`) rather than from repeated copies.
 
-`prefix_logits` is the shared-prompt layout of `trainer.rl.logprobs.shared_prefix_logprobs`: distinct
-prompts run once, their K/V reach each sample's response pass, and gradients flow back through
-them. Results are the model's own forward up to float rounding: `tests/test_fasttrain.py` holds the
+`prefix_hidden` (and `prefix_logits`, the head on it) is the shared-prompt layout of
+`trainer.rl.logprobs.shared_prefix_logprobs`: distinct prompts run once, their K/V reach each
+sample's response pass, and gradients flow back through them. Results are the model's own forward up to float rounding: `tests/test_fasttrain.py` holds the
 log-probs, the loss and every parameter's gradient to the HF path's. `unsupported()` names why a
 model falls back to that path (another architecture, a GPU, q/k norms, dropout, no compiler).
 """
@@ -185,21 +185,30 @@ def _layer(block: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torc
     return h, own
 
 
-def _logits(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _final_norm(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     inner = model.model
     B, S, H = h.shape
-    x = _RMSNorm.apply(h.reshape(B * S, H), inner.norm.weight, inner.norm.variance_epsilon)
-    return _project(x, model.get_output_embeddings()).view(B, S, -1)
+    return _RMSNorm.apply(h.reshape(B * S, H), inner.norm.weight, inner.norm.variance_epsilon).view(B, S, H)
 
 
 def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
                   rids: torch.Tensor, rmask: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits predicting each response token, [B, R, V]: distinct prompts pids [U, P] (left-padded,
-    pmask 1 on real tokens) run once; sample i continues prompt inverse[i] with response rids[i]
-    (right-padded; position j's logits come from the prompt's last token for j = 0, else from
-    response token j - 1, so the last response token is not run). The responses' pads (rmask 0)
-    need no mask: they come after every real token, which attends causally. A peft model runs as the
-    model inside it, its adapters computed beside the weights."""
+    """Logits predicting each response token, [B, R, V]: the output head on `prefix_hidden`."""
+    from trainer.lora import inner as unwrapped
+
+    h = prefix_hidden(model, pids, pmask, inverse, rids, rmask)
+    B, R, H = h.shape
+    return _project(h.reshape(B * R, H), unwrapped(model).get_output_embeddings()).view(B, R, -1)
+
+
+def prefix_hidden(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                  rids: torch.Tensor, rmask: torch.Tensor | None = None) -> torch.Tensor:
+    """The final (normed) hidden states predicting each response token, [B, R, H]: distinct prompts
+    pids [U, P] (left-padded, pmask 1 on real tokens) run once; sample i continues prompt inverse[i]
+    with response rids[i] (right-padded; position j's state comes from the prompt's last token for
+    j = 0, else from response token j - 1, so the last response token is not run). The responses'
+    pads (rmask 0) need no mask: they come after every real token, which attends causally. A peft
+    model runs as the model inside it, its adapters computed beside the weights."""
     from trainer.lora import inner as unwrapped
 
     model = unwrapped(model)
@@ -225,7 +234,7 @@ def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
         cached.append(kv)
     # index_select, not [inverse]: its backward adds each sample's gradient in index order, where
     # indexing's (index_put_ with accumulate) adds from several threads in arrival order
-    first = _logits(model, h[:, -1:]).index_select(0, inverse)
+    first = _final_norm(model, h[:, -1:]).index_select(0, inverse)
     if R == 1:
         return first
     S = R - 1
@@ -239,4 +248,4 @@ def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     for block, (k, v) in zip(inner.layers, cached):
         past = (k.index_select(0, inverse), v.index_select(0, inverse))
         h, _ = _layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=past)
-    return torch.cat([first, _logits(model, h)], dim=1)
+    return torch.cat([first, _final_norm(model, h)], dim=1)

@@ -5,6 +5,12 @@
 else the model's own forward with a KV cache), otherwise one pass per sequence (`token_logprobs`).
 Every position after the prompt gets its log-prob, the environment's tokens included: the loss
 mask, not this module, decides what is trained on.
+
+The shared-prompt passes end at the final hidden states wherever the logits are the output head's
+product and nothing more (`output_head`): `head_logprobs` then takes each response token's log-prob
+(and entropy) from the head a block of rows at a time, forward and backward, so that no [samples x
+tokens x vocabulary] tensor exists. Those were the update's largest: on SmolLM2 (vocabulary 49,152)
+32 samples of 96 tokens made 604 MB each for the logits, their log-softmax, and each gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +20,106 @@ import torch
 from trainer import fasttrain
 from trainer.fastgen import distinct, left_pad
 from trainer.rl.trajectory import PackedBatch
+
+
+HEAD_BLOCK_ELEMENTS = 1 << 24  # logits in a block of rows (64 MB in float32); rows = this // vocabulary
+PLAIN_HEAD_MODELS = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(final hidden), unscaled
+
+
+def output_head(module: torch.nn.Module) -> torch.Tensor | None:
+    """The output head's weight [V, H] when the model's logits are exactly hidden @ weight^T (a
+    plain bias-free linear head on one of PLAIN_HEAD_MODELS, no adapters on it), else None: those
+    run the model's own head."""
+    from trainer.lora import inner
+
+    model = inner(module)
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in PLAIN_HEAD_MODELS or not hasattr(model, "model"):
+        return None
+    if any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None  # a peft layer on the head, or a biased one
+    return head.weight
+
+
+def _products(x: torch.Tensor):
+    """(x w^T, dy w, dy^T x) for x's device and dtype: the compiled products on CPU float32, else torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        from trainer.kernels import ops
+
+        op = ops()
+        if op is not None:
+            return (lambda a, w: op.linear_fwd(a, w, None)), op.linear_dx, op.linear_dw
+    return (lambda a, w: a @ w.t()), (lambda dy, w: dy @ w), (lambda dy, a: dy.t() @ a)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log softmax(x w^T / T)[target] and the entropy of that softmax, row by row, from hidden
+    states x [N, H] and the head's weight w [V, H]; the logits of `rows` rows at a time, made again
+    in the backward pass rather than kept (the memory of one block, for one more head product)."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, temperature: float, with_entropy: bool, rows: int):
+        fwd, _, _ = _products(x)
+        N = x.shape[0]
+        lse, logp = x.new_empty(N, dtype=torch.float32), x.new_empty(N, dtype=torch.float32)
+        ent = x.new_empty(N, dtype=torch.float32) if with_entropy else None
+        for s in range(0, N, rows):
+            z = fwd(x[s : s + rows], w).float().div_(temperature)
+            m = torch.logsumexp(z, dim=-1)
+            lse[s : s + rows] = m
+            logp[s : s + rows] = z.gather(-1, targets[s : s + rows, None]).squeeze(-1) - m
+            if ent is not None:
+                z.sub_(m[:, None])  # log p
+                ent[s : s + rows] = -z.exp().mul_(z).sum(-1)
+            del z  # before the next block's logits, not after
+        ctx.save_for_backward(x, w, targets, lse, ent)
+        ctx.temperature, ctx.rows = temperature, rows
+        if ent is None:
+            none = x.new_zeros(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(none)
+            return logp, none
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        x, w, targets, lse, ent = ctx.saved_tensors
+        fwd, dx_of, dw_of = _products(x)
+        T, rows = ctx.temperature, ctx.rows
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty_like(x) if want_x else None
+        dw = torch.zeros_like(w, dtype=torch.float32) if want_w else None
+        g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(lse)
+        for s in range(0, x.shape[0], rows):
+            xs, gl = x[s : s + rows], g_logp[s : s + rows]
+            logq = fwd(xs, w).float().div_(T).sub_(lse[s : s + rows, None])  # log p
+            p = logq.exp()
+            # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
+            if ent is not None and g_ent is not None:
+                ge = g_ent[s : s + rows, None].float()
+                gz = logq.add_(ent[s : s + rows, None]).mul_(ge).add_(gl[:, None]).mul_(p).neg_()
+            else:
+                gz = p.mul_(-gl[:, None])
+            gz.scatter_add_(-1, targets[s : s + rows, None], gl[:, None])
+            gz = gz.div_(T).to(x.dtype)
+            if want_x:
+                dx[s : s + rows] = dx_of(gz, w)
+            if want_w:
+                dw += dw_of(gz, xs).float()
+            del logq, p, gz  # before the next block's logits, not after
+        return dx, (dw.to(w.dtype) if want_w else None), None, None, None, None
+
+
+def head_logprobs(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's log-prob of its target under softmax(x w^T / temperature), and its entropy when
+    asked: x [N, H] final hidden states, w [V, H] the output head's weight, targets [N]. Float32,
+    differentiable in x and w; no [N, V] tensor is kept (`_HeadLogprobs`)."""
+    rows = max(1, HEAD_BLOCK_ELEMENTS // w.shape[0])
+    lp, ent = _HeadLogprobs.apply(x.contiguous(), w, targets.contiguous(), float(temperature), with_entropy, rows)
+    return lp, (ent if with_entropy else None)
 
 
 def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
@@ -48,6 +154,26 @@ def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.T
     return torch.cat([first, resp], 1)
 
 
+def hf_prefix_hidden(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                     rids: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
+    """`trainer.fasttrain.prefix_hidden` through the model's own layers (`hf_prefix_logits` without
+    the head): the final normed hidden states, [B, R, H], for a model `output_head` accepts."""
+    from trainer.lora import inner
+
+    body = inner(module).model
+    R = rids.shape[1]
+    out = body(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    first = out.last_hidden_state[:, -1:].index_select(0, inverse)
+    if R == 1:
+        return first
+    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=pids.device)[None]
+    resp = body(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
+                position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+    return torch.cat([first, resp], 1)
+
+
 def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
                            with_entropy: bool = False, temperature: float = 1.0,
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,11 +202,22 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
         rids[i, : rlen[i]] = ids[i, plen[i] : plen[i] + rlen[i]]
         rmask[i, : rlen[i]] = 1
     # Response token j is predicted at the prompt's last position (j = 0) or the response's j - 1.
-    passes = fasttrain.prefix_logits if fasttrain.unsupported(module) is None else hf_prefix_logits
-    logits = passes(module, pids, pmask, inverse, rids, rmask).float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
-    entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
+    fused = fasttrain.unsupported(module) is None
+    head = output_head(module)
+    if head is not None:
+        # the head's log-probs on the real response tokens only, a block of rows at a time
+        hidden = (fasttrain.prefix_hidden if fused else hf_prefix_hidden)(module, pids, pmask, inverse, rids, rmask)
+        real = rmask.bool()
+        lp_real, ent_real = head_logprobs(hidden[real], head, rids[real], temperature, with_entropy)
+        zeros = torch.zeros((B, R), dtype=torch.float32, device=dev)
+        lp = zeros.masked_scatter(real, lp_real)
+        entropy = zeros.masked_scatter(real, ent_real) if with_entropy else None
+    else:
+        logits = (fasttrain.prefix_logits if fused else hf_prefix_logits)(module, pids, pmask, inverse, rids,
+                                                                          rmask).float() / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
+        entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
     # back to the packed layout: response token j of sample i sits at position plen[i] - 1 + j
     index = prompt_len[:, None] - 1 + torch.arange(R, device=dev)[None]
 
