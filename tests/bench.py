@@ -436,7 +436,7 @@ def lora_session(mode: str) -> None:
     overrides = ["grpo.eval_every=1000", "grpo.checkpoint_every=1000", "rollout.dynamic_filter=none",
                  "rollout.over_sample=1", "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
     if mode != "full":
-        overrides += [f"model.lora.rank={mode}", "grpo.lr=1e-4"]
+        overrides += [f"model.lora.rank={mode}", "grpo.lr=3e-4"]
     cfg = load_config("smollm2-135m", overrides)
     data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 200, "n_test": 10}), 0)
     tok = load_tokenizer(resolve_pretrained(cfg.model.pretrained))
