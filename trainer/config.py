@@ -377,6 +377,10 @@ class GRPOConfig(Strict):
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over a round's batch")
     epochs: int = Field(1, ge=1, description="passes over a round's batch")
     micro_batch_size: int = Field(64, ge=1)
+    gradient_checkpointing: bool = Field(
+        False, description="the policy's layers recompute their activations in the update's backward pass "
+        "instead of keeping them: about one layer's activation memory instead of all layers', for one more "
+        "forward pass (the same weights: the recomputation is exact)")
     grad_clip: float = Field(1.0, gt=0)
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.2, ge=0, description="clip-higher: upper ratio bound 1 + clip_high")

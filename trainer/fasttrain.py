@@ -192,24 +192,33 @@ def _final_norm(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def prefix_logits(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
-                  rids: torch.Tensor, rmask: torch.Tensor | None = None) -> torch.Tensor:
+                  rids: torch.Tensor, rmask: torch.Tensor | None = None, checkpoint: bool = False) -> torch.Tensor:
     """Logits predicting each response token, [B, R, V]: the output head on `prefix_hidden`."""
     from trainer.lora import inner as unwrapped
 
-    h = prefix_hidden(model, pids, pmask, inverse, rids, rmask)
+    h = prefix_hidden(model, pids, pmask, inverse, rids, rmask, checkpoint)
     B, R, H = h.shape
     return _project(h.reshape(B * R, H), unwrapped(model).get_output_embeddings()).view(B, R, -1)
 
 
 def prefix_hidden(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
-                  rids: torch.Tensor, rmask: torch.Tensor | None = None) -> torch.Tensor:
+                  rids: torch.Tensor, rmask: torch.Tensor | None = None, checkpoint: bool = False) -> torch.Tensor:
     """The final (normed) hidden states predicting each response token, [B, R, H]: distinct prompts
     pids [U, P] (left-padded, pmask 1 on real tokens) run once; sample i continues prompt inverse[i]
     with response rids[i] (right-padded; position j's state comes from the prompt's last token for
     j = 0, else from response token j - 1, so the last response token is not run). The responses'
     pads (rmask 0) need no mask: they come after every real token, which attends causally. A peft
-    model runs as the model inside it, its adapters computed beside the weights."""
+    model runs as the model inside it, its adapters computed beside the weights. `checkpoint`: each
+    layer keeps only its input for the backward pass and runs again there (torch's non-reentrant
+    checkpoint): the activations' memory of one layer instead of all, for one more forward pass."""
+    from torch.utils.checkpoint import checkpoint as recompute
+
     from trainer.lora import inner as unwrapped
+
+    def layer(*args, **kwargs):
+        if checkpoint and torch.is_grad_enabled():
+            return recompute(_layer, *args, use_reentrant=False, **kwargs)
+        return _layer(*args, **kwargs)
 
     model = unwrapped(model)
     inner = model.model
@@ -230,7 +239,7 @@ def prefix_hidden(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     cos, sin = _rotary_tables(inner, h, positions)
     cached = []
     for block in inner.layers:
-        h, kv = _layer(block, h, cos, sin, mask, heads, kv_heads, hd)
+        h, kv = layer(block, h, cos, sin, mask, heads, kv_heads, hd)
         cached.append(kv)
     # index_select, not [inverse]: its backward adds each sample's gradient in index order, where
     # indexing's (index_put_ with accumulate) adds from several threads in arrival order
@@ -247,5 +256,5 @@ def prefix_hidden(model: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tenso
     cos, sin = _rotary_tables(inner, h, rpos)
     for block, (k, v) in zip(inner.layers, cached):
         past = (k.index_select(0, inverse), v.index_select(0, inverse))
-        h, _ = _layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=past)
+        h, _ = layer(block, h, cos, sin, rmask, heads, kv_heads, hd, past=past)
     return torch.cat([first, _final_norm(model, h)], dim=1)

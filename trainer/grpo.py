@@ -26,6 +26,7 @@ from trainer.answers import is_correct
 from trainer.chat import encode_prompt
 from trainer.data import prompt_messages, question_of
 from trainer.config import RunConfig
+from trainer.errors import InputError
 from trainer.evaluate import evaluate
 from trainer.rl import losses
 from trainer.rl.engines import HFEngine, RolloutEngine, SamplingParams
@@ -54,6 +55,10 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.reference = None
         lc = cfg.model.lora
+        if g.gradient_checkpointing and not getattr(lora.inner(model), "supports_gradient_checkpointing", False):
+            raise InputError(f"grpo.gradient_checkpointing: {type(lora.inner(model)).__name__} cannot recompute "
+                             "its layers (transformers does not support checkpointing it); set "
+                             "grpo.gradient_checkpointing=false")
         # the reference is loaded only when the KL term is on; under LoRA it is the policy with its
         # adapters switched off (no copy)
         if g.kl_coef > 0 and lc is None:
@@ -396,7 +401,8 @@ class GRPOTrainer:
         batch's per-token advantages (gae), else each sequence's advantage at all its tokens."""
         g, temp, dev = self.cfg.grpo, self.cfg.rollout.temperature, self.ds.device
         part = rows(packed, idx).to(dev)
-        lp, ent = response_logprobs(self.ds.module, part, temp, with_entropy=g.entropy_coef > 0)
+        lp, ent = response_logprobs(self.ds.module, part, temp, with_entropy=g.entropy_coef > 0,
+                                    checkpoint=g.gradient_checkpointing)
         w = part.mask.shape[1]
         if before is None:
             old, ref = lp.detach(), None

@@ -15,6 +15,8 @@ tokens x vocabulary] tensor exists. Those were the update's largest: on SmolLM2 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from trainer import fasttrain
@@ -126,8 +128,19 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
                    with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy.
 
-    Under the sampling temperature: the policy being optimised is the one rollouts came from."""
-    # the last position's logits would predict past the end: it is not run
+    Under the sampling temperature: the policy being optimised is the one rollouts came from. A
+    plain-head model (`output_head`) gives the log-probs of real tokens from its head a block of
+    rows at a time, and 0 at padded positions."""
+    head = output_head(module)
+    if head is not None:
+        from trainer.lora import inner
+
+        # the last position would predict past the end: it is not run
+        hidden = inner(module).model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).last_hidden_state
+        real = attn[:, 1:].bool()
+        lp_real, ent_real = head_logprobs(hidden[real], head, ids[:, 1:][real], temperature, with_entropy)
+        zeros = torch.zeros(real.shape, dtype=torch.float32, device=ids.device)
+        return zeros.masked_scatter(real, lp_real), (zeros.masked_scatter(real, ent_real) if with_entropy else None)
     logits = module(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -175,7 +188,7 @@ def hf_prefix_hidden(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.T
 
 
 def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
-                           with_entropy: bool = False, temperature: float = 1.0,
+                           with_entropy: bool = False, temperature: float = 1.0, checkpoint: bool = False,
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` at the response positions (0 elsewhere), each distinct prompt run once.
 
@@ -185,7 +198,8 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     gradient reaches the prompt pass through them, summed over the group's samples: the same
     loss and gradients as one pass per sample, without the repeated prompt tokens (a third of a
     GRPO batch's tokens on the reference workload). Llama-family models on CPU run the passes
-    through `trainer.fasttrain` (fused ops, same results up to rounding), others the model's own."""
+    through `trainer.fasttrain` (fused ops, same results up to rounding), others the model's own.
+    `checkpoint` (fused passes only) recomputes each layer in the backward pass."""
     B, W = ids.shape
     plen = prompt_len.tolist()
     rlen = (attn.sum(1) - prompt_len).tolist()
@@ -206,15 +220,21 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     head = output_head(module)
     if head is not None:
         # the head's log-probs on the real response tokens only, a block of rows at a time
-        hidden = (fasttrain.prefix_hidden if fused else hf_prefix_hidden)(module, pids, pmask, inverse, rids, rmask)
+        if fused:
+            hidden = fasttrain.prefix_hidden(module, pids, pmask, inverse, rids, rmask, checkpoint)
+        else:
+            hidden = hf_prefix_hidden(module, pids, pmask, inverse, rids, rmask)
         real = rmask.bool()
         lp_real, ent_real = head_logprobs(hidden[real], head, rids[real], temperature, with_entropy)
         zeros = torch.zeros((B, R), dtype=torch.float32, device=dev)
         lp = zeros.masked_scatter(real, lp_real)
         entropy = zeros.masked_scatter(real, ent_real) if with_entropy else None
     else:
-        logits = (fasttrain.prefix_logits if fused else hf_prefix_logits)(module, pids, pmask, inverse, rids,
-                                                                          rmask).float() / temperature
+        if fused:
+            logits = fasttrain.prefix_logits(module, pids, pmask, inverse, rids, rmask, checkpoint)
+        else:
+            logits = hf_prefix_logits(module, pids, pmask, inverse, rids, rmask)
+        logits = logits.float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         lp = logp_all.gather(-1, rids.unsqueeze(-1)).squeeze(-1) * rmask
         entropy = -(logp_all.exp() * logp_all).sum(-1) * rmask if with_entropy else None
@@ -227,13 +247,39 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
     return unpack(lp), (unpack(entropy) if entropy is not None else None)
 
 
+@contextlib.contextmanager
+def hf_checkpointing(module: torch.nn.Module):
+    """The model's own layers recompute their activations in the backward pass of what runs inside
+    (transformers' gradient checkpointing, non-reentrant); the backward may run after the block."""
+    from trainer.lora import inner
+
+    model = inner(module)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        off = model.activation_checkpointing_disable
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        off = model.gradient_checkpointing_disable
+    try:
+        yield
+    finally:
+        off()
+
+
 def response_logprobs(module: torch.nn.Module, part: PackedBatch, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of a packed batch's response tokens: prompts that several samples
     share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`); the
-    fused passes of `trainer.fasttrain` always take the shared layout (no padding computed)."""
+    fused passes of `trainer.fasttrain` always take the shared layout (no padding computed).
+    `checkpoint` (grpo.gradient_checkpointing): each layer's activations are made again in the
+    backward pass instead of kept. The model's own layers drop the KV cache when they checkpoint,
+    so there it takes one pass per sequence."""
     plen = part.prompt_len.tolist()
-    if (fasttrain.unsupported(module) is None
-            or len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen)):
-        return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature)
+    fused = fasttrain.unsupported(module) is None
+    if checkpoint and not fused:
+        with hf_checkpointing(module):
+            return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
+    if fused or len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen):
+        return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature,
+                                      checkpoint)
     return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
