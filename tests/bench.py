@@ -29,7 +29,8 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
 
 7. LoRA against full fine-tuning (`model.lora.rank` 1, 8, 32): the smollm2-135m preset's GRPO rounds
    on its real weights (a dense reward, no filtering: 32 samples a round), each in its own process:
-   the update's seconds (median of rounds 2..3), the trainable parameters and the peak RSS.
+   the update's seconds (median of rounds 2..3), the trainable parameters and the peak RSS; then full
+   and rank 8 again with `grpo.gradient_checkpointing` (each against the full run at its setting).
 
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
 the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7.
@@ -413,7 +414,8 @@ def ppo_against_grpo(reps: int = 2) -> dict:
 # ---------------------------------------------------------------- LoRA against full fine-tuning
 
 LORA_ROUNDS = 3
-LORA_MODES = ("full", "1", "8", "32")  # full fine-tuning, then LoRA at these ranks
+# full fine-tuning, then LoRA at these ranks; "+ckpt": with grpo.gradient_checkpointing
+LORA_MODES = ("full", "1", "8", "32", "full+ckpt", "8+ckpt")
 
 
 def lora_session(mode: str) -> None:
@@ -432,11 +434,12 @@ def lora_session(mode: str) -> None:
     from trainer.tokenizer import load_tokenizer
     from trainer.model import resolve_pretrained
 
-    torch.set_num_threads(2)
     overrides = ["grpo.eval_every=1000", "grpo.checkpoint_every=1000", "rollout.dynamic_filter=none",
                  "rollout.over_sample=1", "grpo.rewards=[{name: tests.test_multirank.digit_share}]"]
-    if mode != "full":
-        overrides += [f"model.lora.rank={mode}", "grpo.lr=3e-4"]
+    rank, _, ckpt = mode.partition("+")
+    if rank != "full":
+        overrides += [f"model.lora.rank={rank}", "grpo.lr=3e-4"]
+    overrides.append(f"grpo.gradient_checkpointing={str(ckpt == 'ckpt').lower()}")
     cfg = load_config("smollm2-135m", overrides)
     data = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 200, "n_test": 10}), 0)
     tok = load_tokenizer(resolve_pretrained(cfg.model.pretrained))
@@ -465,8 +468,8 @@ def lora_against_full() -> dict:
         r = rows[mode] = json.loads(line[6:])
         print(f"  {mode:<5} update {r['update_seconds']:.3f}s  generation {r['generate_seconds']:.3f}s  "
               f"trainable {r['trainable_params']:,}  peak RSS {r['peak_rss_mib']:,.0f} MiB", flush=True)
-    full = rows["full"]
-    for r in rows.values():
+    for mode, r in rows.items():
+        full = rows["full+ckpt" if mode.endswith("+ckpt") else "full"]  # against full fine-tuning at its setting
         r["update_vs_full"] = r["update_seconds"] / full["update_seconds"]
         r["peak_rss_vs_full"] = r["peak_rss_mib"] / full["peak_rss_mib"]
     return {"rows": rows, "rounds": LORA_ROUNDS}
@@ -599,7 +602,7 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
               f"medians of rounds 2-{out['lora']['rounds']}:")
         print(f"  {'':<10}{'trainable':>13}{'update s':>10}{'vs full':>9}{'generation s':>14}{'peak RSS MiB':>14}{'vs full':>9}")
         for mode, r in rows.items():
-            name = "full" if mode == "full" else f"rank {mode}"
+            name = mode if mode.startswith("full") else f"rank {mode}"
             print(f"  {name:<10}{r['trainable_params']:>13,}{r['update_seconds']:>10.3f}{r['update_vs_full']:>9.2f}"
                   f"{r['generate_seconds']:>14.3f}{r['peak_rss_mib']:>14,.0f}{r['peak_rss_vs_full']:>9.2f}")
     print(f"wrote {path}")
