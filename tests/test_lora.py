@@ -202,9 +202,11 @@ def test_bad_lora_settings_are_named_before_the_run(tiny_tokenizer, tmp_path, ca
     assert not root.exists()
 
 
-def test_the_lora_preset_is_the_smollm2_run_with_adapters_at_thirty_times_its_learning_rate():
+def test_the_lora_preset_is_the_smollm2_run_with_adapters_at_thirty_times_its_learning_rate_checkpointed():
     full, adapted = load_config("smollm2-135m").to_dict(), load_config("smollm2-135m-lora").to_dict()
     assert adapted["model"]["lora"] == {**LoRAConfig().model_dump(), "rank": 8, "alpha": 32.0}
     assert adapted["grpo"]["lr"] == pytest.approx(30 * full["grpo"]["lr"])
+    assert adapted["grpo"]["gradient_checkpointing"] and not full["grpo"]["gradient_checkpointing"]
     adapted["model"]["lora"], adapted["grpo"]["lr"], adapted["name"] = None, full["grpo"]["lr"], full["name"]
+    adapted["grpo"]["gradient_checkpointing"] = False
     assert adapted == full

@@ -156,9 +156,12 @@ def retain_freed_memory() -> bool:
     glibc serves blocks above its mmap threshold with fresh mappings and trims the heap's free top
     back to the OS, so every step faults those pages in again, each zero-filled (docs/performance.md has
     the count and its cost). With the mmap threshold at 64 MiB and the trim threshold at 1 GiB, freed
-    blocks are reused instead. Peak memory is unchanged; memory once used stays
-    with the process, up to 1 GiB more free heap than glibc would keep. No effect off glibc or
-    with POSTTRAIN_MALLOC_TUNING=0. Returns whether the setting took."""
+    blocks are reused instead. Memory once used stays with the process, and the peak RSS grows
+    with it: blocks up to 64 MiB come from the heap, whose free pieces do not always fit the next
+    step's (smollm2-135m GRPO with LoRA and grpo.gradient_checkpointing: 5.4 GiB peak RSS for
+    2.2 GiB in use, 3.6 GiB without this; docs/lora.md). No effect off glibc or with
+    POSTTRAIN_MALLOC_TUNING=0, the setting for a run whose peak memory matters more than its
+    speed. Returns whether the setting took."""
     global _malloc_tuned
     if _malloc_tuned or os.environ.get(MALLOC_TUNING, "1") == "0":
         return _malloc_tuned
