@@ -30,8 +30,8 @@ PLAIN_HEAD_MODELS = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(f
 
 def output_head(module: torch.nn.Module) -> torch.Tensor | None:
     """The output head's weight [V, H] when the model's logits are exactly hidden @ weight^T (a
-    plain bias-free linear head on one of PLAIN_HEAD_MODELS, no adapters on it), else None: those
-    run the model's own head."""
+    plain bias-free linear head on one of PLAIN_HEAD_MODELS, no adapters on it, not partitioned by
+    ZeRO-3), else None: those run the model's own head."""
     from trainer.lora import inner
 
     model = inner(module)
@@ -43,6 +43,8 @@ def output_head(module: torch.nn.Module) -> torch.Tensor | None:
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None  # a peft layer on the head, or a biased one
+    if hasattr(head.weight, "ds_id"):
+        return None  # ZeRO-3 partitions it, gathered only inside the module's own forward
     return head.weight
 
 
