@@ -14,8 +14,9 @@ every one a trip through memory. Here the same layer runs on the model's own par
 
 `prefix_hidden` (and `prefix_logits`, the head on it) is the shared-prompt layout of
 `trainer.rl.logprobs.shared_prefix_logprobs`: distinct prompts run once, their K/V reach each
-sample's response pass, and gradients flow back through them. Results are the model's own forward up to float rounding: `tests/test_fasttrain.py` holds the
-log-probs, the loss and every parameter's gradient to the HF path's. `unsupported()` names why a
+sample's response pass, and gradients flow back through them. Results are the model's own forward
+up to float rounding: `tests/test_fasttrain.py` holds the log-probs, the loss and every
+parameter's gradient to the HF path's. `unsupported()` names why a
 model falls back to that path (another architecture, a GPU, q/k norms, dropout, no compiler).
 """
 

@@ -18,10 +18,10 @@ times over, and each parallel op waits at its barrier for threads the other rank
 The lines trainer.launch's supervisor reads are printed in DeepSpeed's words: `process PID spawned
 with command: [...]` for each rank; when a rank exits non-zero, `local rank I (pid PID) failed
 first, ...` (which DeepSpeed's launcher does not say), `Killing subprocess PID` for each rank still
-running and
-`[...] exits with return code = N`, and this process exits with that code (a signal's -N as
-sys.exit does). SIGTERM or SIGINT stops every rank (SIGTERM, then SIGKILL after GRACE_S) and exits 1, also when it
-arrives while the ranks are being started (each rank is recorded before the signal is acted on).
+running and `[...] exits with return code = N`, and this process exits with that code (a signal's
+-N as sys.exit does). SIGTERM or SIGINT stops every rank (SIGTERM, then SIGKILL after GRACE_S) and
+exits 1, also when it arrives while the ranks are being started (each rank is recorded before the
+signal is acted on).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Ranks:
     def __init__(self) -> None:
         self.pids: list[int] = []
         self.codes: dict[int, int] = {}  # pid -> exit code, once reaped
-        self.signalled: int | None = None
+        self.signalled = False
         self.spawning = False
         self.stopping = False
 
@@ -71,17 +71,17 @@ class Ranks:
             proc = subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)})
             self.pids.append(proc.pid)  # reaped below with os.waitpid, not through the Popen object
             _say(f"process {proc.pid} spawned with command: {cmd}")
-            if self.signalled is not None:
+            if self.signalled:
                 break
         self.spawning = False
-        if self.signalled is not None:
+        if self.signalled:
             raise Stop
 
     def on_signal(self, signum, frame) -> None:
-        if self.stopping or self.signalled is not None:
+        if self.stopping or self.signalled:
             return  # already stopping
         _say(f"received {signal.Signals(signum).name}, stopping the ranks")
-        self.signalled = signum
+        self.signalled = True
         if not self.spawning:
             raise Stop
 

@@ -126,6 +126,15 @@ def head_logprobs(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, tempe
     return lp, (ent if with_entropy else None)
 
 
+def head_logprobs_at(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, head: torch.Tensor,
+                     temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_logprobs` at the positions `real` marks (hidden [B, T, H], real and targets [B, T]),
+    in the [B, T] layout with 0 elsewhere."""
+    lp, ent = head_logprobs(hidden[real], head, targets[real], temperature, with_entropy)
+    zeros = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)
+    return zeros.masked_scatter(real, lp), (zeros.masked_scatter(real, ent) if with_entropy else None)
+
+
 def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
                    with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(ids[t] | ids[<t]) for t >= 1, shape [B, T-1]; and the per-position entropy.
@@ -139,10 +148,7 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
 
         # the last position would predict past the end: it is not run
         hidden = inner(module).model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).last_hidden_state
-        real = attn[:, 1:].bool()
-        lp_real, ent_real = head_logprobs(hidden[real], head, ids[:, 1:][real], temperature, with_entropy)
-        zeros = torch.zeros(real.shape, dtype=torch.float32, device=ids.device)
-        return zeros.masked_scatter(real, lp_real), (zeros.masked_scatter(real, ent_real) if with_entropy else None)
+        return head_logprobs_at(hidden, attn[:, 1:].bool(), ids[:, 1:], head, temperature, with_entropy)
     logits = module(input_ids=ids[:, :-1], attention_mask=attn[:, :-1]).logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -150,23 +156,29 @@ def token_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tenso
     return logp, entropy
 
 
-def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
-                     rids: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
-    """`trainer.fasttrain.prefix_logits` through the model's own forward: the prompts' pass with a KV
-    cache, copied out to the samples, then the responses' pass on it (any model, any device)."""
+def _hf_prefix_passes(run, field: str, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                      rids: torch.Tensor, rmask: torch.Tensor, **prompt_kwargs) -> torch.Tensor:
+    """The shared-prompt layout through a transformers forward `run`: the prompts' pass with a KV
+    cache, copied out to the samples, then the responses' pass on it; `field` of each output
+    (`logits` or `last_hidden_state`) at every response position."""
     R = rids.shape[1]
-    dev = pids.device
-    out = module(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
-                 use_cache=True, logits_to_keep=1)
+    out = run(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0),
+              use_cache=True, **prompt_kwargs)
     cache = out.past_key_values
     cache.batch_select_indices(inverse)
-    first = out.logits[:, -1:].index_select(0, inverse)  # see fasttrain.prefix_logits
+    first = getattr(out, field)[:, -1:].index_select(0, inverse)  # see fasttrain.prefix_hidden
     if R == 1:
         return first
-    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=dev)[None]
-    resp = module(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
-                  position_ids=positions, past_key_values=cache, use_cache=True).logits
-    return torch.cat([first, resp], 1)
+    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=pids.device)[None]
+    resp = run(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
+               position_ids=positions, past_key_values=cache, use_cache=True)
+    return torch.cat([first, getattr(resp, field)], 1)
+
+
+def hf_prefix_logits(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
+                     rids: torch.Tensor, rmask: torch.Tensor) -> torch.Tensor:
+    """`trainer.fasttrain.prefix_logits` through the model's own forward (any model, any device)."""
+    return _hf_prefix_passes(module, "logits", pids, pmask, inverse, rids, rmask, logits_to_keep=1)
 
 
 def hf_prefix_hidden(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.Tensor, inverse: torch.Tensor,
@@ -175,18 +187,7 @@ def hf_prefix_hidden(module: torch.nn.Module, pids: torch.Tensor, pmask: torch.T
     the head): the final normed hidden states, [B, R, H], for a model `output_head` accepts."""
     from trainer.lora import inner
 
-    body = inner(module).model
-    R = rids.shape[1]
-    out = body(input_ids=pids, attention_mask=pmask, position_ids=(pmask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-    cache = out.past_key_values
-    cache.batch_select_indices(inverse)
-    first = out.last_hidden_state[:, -1:].index_select(0, inverse)
-    if R == 1:
-        return first
-    positions = pmask.sum(1)[inverse][:, None] + torch.arange(R - 1, device=pids.device)[None]
-    resp = body(input_ids=rids[:, :-1], attention_mask=torch.cat([pmask[inverse], rmask[:, :-1]], 1),
-                position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
-    return torch.cat([first, resp], 1)
+    return _hf_prefix_passes(inner(module).model, "last_hidden_state", pids, pmask, inverse, rids, rmask)
 
 
 def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, prompt_len: torch.Tensor,
@@ -226,11 +227,7 @@ def shared_prefix_logprobs(module: torch.nn.Module, ids: torch.Tensor, attn: tor
             hidden = fasttrain.prefix_hidden(module, pids, pmask, inverse, rids, rmask, checkpoint)
         else:
             hidden = hf_prefix_hidden(module, pids, pmask, inverse, rids, rmask)
-        real = rmask.bool()
-        lp_real, ent_real = head_logprobs(hidden[real], head, rids[real], temperature, with_entropy)
-        zeros = torch.zeros((B, R), dtype=torch.float32, device=dev)
-        lp = zeros.masked_scatter(real, lp_real)
-        entropy = zeros.masked_scatter(real, ent_real) if with_entropy else None
+        lp, entropy = head_logprobs_at(hidden, rmask.bool(), rids, head, temperature, with_entropy)
     else:
         if fused:
             logits = fasttrain.prefix_logits(module, pids, pmask, inverse, rids, rmask, checkpoint)
