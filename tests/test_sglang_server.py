@@ -278,7 +278,7 @@ def digit_share(response: str, example: dict) -> float:
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
-def _trainer(tmp_path, tok, model, engine, rollout: dict | None = None, **grpo):
+def _trainer(tmp_path, tok, model, engine, rollout: dict | None = None, lora: dict | None = None, **grpo):
     from trainer.config import load_config, SyntheticData
     from trainer.data import synthetic
     from trainer.grpo import GRPOTrainer
@@ -287,7 +287,8 @@ def _trainer(tmp_path, tok, model, engine, rollout: dict | None = None, **grpo):
                  "rollout.max_response_tokens": 16, "rollout.dynamic_filter": "none", "grpo.micro_batch_size": 16,
                  "grpo.mini_batches": 1, "grpo.lr": 3e-2, "grpo.tis_cap": None,
                  "grpo.rewards": [{"name": "tests.test_sglang_server:digit_share"}],
-                 **{f"grpo.{k}": v for k, v in grpo.items()}, **{f"rollout.{k}": v for k, v in (rollout or {}).items()}}
+                 **{f"grpo.{k}": v for k, v in grpo.items()}, **{f"rollout.{k}": v for k, v in (rollout or {}).items()},
+                 **{f"model.lora.{k}": v for k, v in (lora or {}).items()}}
     cfg = load_config("tiny", overrides)
     data = synthetic(SyntheticData(n_train=64, n_test=8), seed=0)
     return GRPOTrainer(cfg, model, tok, data.train, data.test, tmp_path, engine=engine)
@@ -362,6 +363,48 @@ def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_mod
     finally:
         servers.update_weights(str(path))  # the next tests expect the base weights
     assert [g.token_ids for g in greedy(servers, prompts)] == [g.token_ids for g in before]
+
+
+def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, base_model, tiny_tokenizer, tmp_path):
+    """model.lora with SGLang: the trainer holds peft's adapters over a frozen base; each round's
+    export is the merged model (a plain Llama, no adapter tensors, no peft config), which the servers
+    load and answer with as the in-process engine does on the merged weights, round after round."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from trainer import lora
+    from trainer.rl.engines import HFEngine
+
+    path, _ = base_model
+    prompts = prompts_for(tiny_tokenizer)
+    before = greedy(servers, prompts)
+    trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers,
+                       lora={"rank": 4})
+    try:
+        assert lora.adapted(trainer.ds.module)
+        served = [before]
+        for _ in range(2):
+            stats = trainer.update(trainer.score(trainer.rollout()))
+            assert stats["update/optimizer_steps"] == 1
+            trainer.publish(stats)
+            sync = tmp_path / "sync"
+            assert not (sync / "adapter_config.json").exists()
+            assert json.loads((sync / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+            with safe_open(str(sync / "model.safetensors"), "pt") as f:
+                keys = set(f.keys())
+            assert keys and not any("lora" in k or "base_layer" in k for k in keys)
+            served.append(greedy(servers, prompts))
+            assert [g.token_ids for g in served[-1]] != [g.token_ids for g in served[-2]]  # the new adapters
+            same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), served[-1])
+            print(f"\nLoRA, after sync: greedy identical {same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
+            assert same == len(prompts) and max_d < MAX_DIFF and mean_d < MEAN_DIFF
+        # the trainer's base stayed frozen: with the adapters off the policy is the served base
+        with trainer.ds.module.disable_adapter():
+            base = greedy(HFEngine(trainer.ds.module, tiny_tokenizer, merge=False), prompts)
+        assert [g.token_ids for g in base] == [g.token_ids for g in before]
+    finally:
+        servers.update_weights(str(path))  # the next tests expect the base weights
 
 
 def test_resumed_stage_pushes_the_checkpoint_weights_before_its_first_rollout(servers, base_model, tiny_tokenizer,
