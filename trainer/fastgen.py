@@ -27,20 +27,23 @@ log-probabilities against the trainer's forward.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the position alone
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the live batch has finished
 
 
-def unsupported(model: torch.nn.Module, adapters: bool = False) -> str | None:
+def unsupported(model: torch.nn.Module, adapters: bool = False, devices: tuple[str, ...] = ("cpu",)) -> str | None:
     """Why the fast decoder cannot run `model` (None when it can). `adapters`: the caller computes
     LoRA adapters itself (trainer.fasttrain); the decoder reads the weights alone, so it needs them
-    merged in."""
+    merged in. `devices`: where the weights may be (the fixed-shape decoder also runs on CUDA)."""
     from trainer.lora import unmerged
 
     if not adapters and unmerged(model):
@@ -49,8 +52,9 @@ def unsupported(model: torch.nn.Module, adapters: bool = False) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {sorted(SUPPORTED)}"
-    if next(model.parameters()).device.type != "cpu":
-        return "the model is not on the CPU (the fast path is verified on CPU only)"
+    where = next(model.parameters()).device.type
+    if where not in devices:
+        return f"the model is on {where}, not {' or '.join(devices)}"
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         # ZeRO-3 keeps each weight partitioned, gathered only inside the modules' own forward hooks
         return "DeepSpeed ZeRO-3 partitions the weights"
@@ -123,7 +127,7 @@ def sample(scores: torch.Tensor) -> torch.Tensor:
     kernel draws an exponential variate for every vocabulary entry. A token of probability 0
     (-inf score) is never drawn: its interval of the CDF is empty."""
     cdf = scores.softmax(-1).double().cumsum(-1)
-    u = torch.rand((scores.shape[0], 1), dtype=torch.float64) * cdf[:, -1:]  # in [0, total): never past the end
+    u = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]  # in [0, total): never past the end
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
@@ -139,8 +143,10 @@ class _Layer:
 
 
 class FastDecoder:
+    devices: tuple[str, ...] = ("cpu",)
+
     def __init__(self, model: torch.nn.Module) -> None:
-        reason = unsupported(model)
+        reason = unsupported(model, devices=self.devices)
         if reason is not None:
             raise ValueError(f"fast decoding does not support this model: {reason}")
         self.model = model
@@ -181,7 +187,7 @@ class FastDecoder:
             self.head_bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
             self.scaling = inner.layers[0].self_attn.scaling
             if self.cos is None:
-                pos = torch.arange(self.max_positions)[None]
+                pos = torch.arange(self.max_positions, device=self.embed.device)[None]
                 cos, sin = inner.rotary_emb(self.embed[None, :1], position_ids=pos)
                 self.cos = cos[0]  # [positions, head_dim]
                 self.sin = signed_sin(sin[0])
@@ -264,10 +270,18 @@ class FastDecoder:
             h = self._block(L, h, cos, sin, kc, vc, start, mask)
         return _linear(_rms(h[:, -1], *self.norm), self.head, self.head_bias, self.kernel is not None)
 
-    @staticmethod
-    def _sample_step(logits: torch.Tensor, t: int, eos: int, temperature: float, top_p: float, min_new: int,
+    @classmethod
+    def _sample_step(cls, logits: torch.Tensor, t: int, eos: int, temperature: float, top_p: float, min_new: int,
                      logprobs: bool) -> tuple[torch.Tensor, list[int], list[float] | None]:
-        """Step t's tokens (sampled, or greedy at temperature 0) and their log-probs, as torch ops."""
+        """Step t's tokens (sampled, or greedy at temperature 0) and their log-probs, as lists."""
+        nxt, lp = cls._choose(logits, t, eos, temperature, top_p, min_new, logprobs)
+        return nxt, nxt.tolist(), lp.tolist() if lp is not None else None
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, t: int, eos: int, temperature: float, top_p: float, min_new: int,
+                logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step t's tokens (sampled, or greedy at temperature 0) and their log-probs, as torch ops on
+        the logits' device."""
         scores = logits.float()
         if temperature > 0:
             scores = scores / temperature
@@ -283,9 +297,7 @@ class FastDecoder:
             nxt = sample(scores)
         else:
             nxt = scores.argmax(-1)
-        toks = nxt.tolist()
-        lps = lp_all.gather(1, nxt[:, None]).squeeze(1).tolist() if lp_all is not None else None
-        return nxt, toks, lps
+        return nxt, lp_all.gather(1, nxt[:, None]).squeeze(1) if lp_all is not None else None
 
     # -- decoding
     @torch.no_grad()
@@ -361,4 +373,246 @@ class FastDecoder:
                 ~valid[:, None, : col + 1], float("-inf")).view(len(live) * self.kv_heads, self.groups, col + 1)
             logits = self._forward(nxt[:, None], next_pos[:, None], caches, col, step_mask)
             next_pos = next_pos + 1
+        return out_tok, out_lp
+
+
+# ------------------------------------------------------------------ fixed shapes: the CUDA path
+
+GRAPHS_ENV = "POSTTRAIN_CUDA_GRAPHS"  # "0": the fixed-shape decoder runs its step eagerly on CUDA too
+WIDTH_STEP = 64  # cache widths round up to a multiple of this: few shapes, so captured graphs are reused
+MAX_GRAPHS = 4   # captured shapes kept (each holds its KV cache: layers x 2 x rows x width x kv x head_dim)
+CHECK_EVERY = 8  # without stop strings, how many steps between the host's look at whether all rows ended
+
+
+def bucket(n: int) -> int:
+    """A batch of n rows decodes as the next power of two (filler rows beside it, their tokens dropped):
+    at most a few shapes a run, each captured once."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Fixed:
+    """One shape's decoding state, in place across steps (a captured graph reads these tensors):
+    the KV caches, each row's last token and its position, the cache column the step writes, and
+    which columns each row sees."""
+
+    def __init__(self, dec: "StaticDecoder", rows: int, width: int) -> None:
+        dev, dtype = dec.embed.device, dec.embed.dtype
+        self.caches = [(torch.zeros(rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev),
+                        torch.zeros(rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev))
+                       for _ in dec.layers]
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
+        self.graph = None
+        self.logits: torch.Tensor | None = None  # the captured step's output, rewritten by each replay
+
+
+class StaticDecoder(FastDecoder):
+    """The decoder at fixed shapes, for GPUs: a decoding step is launch-bound there (a 135M model
+    reads its weights in about 0.1 ms; its few hundred small kernels take milliseconds to launch from
+    Python), so each step is captured once as a CUDA graph and replayed.
+
+    - The batch runs as a power-of-two bucket of rows and the KV cache as a width rounded up to
+      `WIDTH_STEP`; each step attends over the whole width with a mask (no per-step slicing), writes
+      its keys and values at a cache column held in a tensor, and reads positions from a tensor:
+      nothing in a step depends on a Python number, so one captured graph serves every step and
+      every later call of the same shape.
+    - A prompt shared by a group's samples is prefilled once (eagerly: one call a batch), its cache
+      rows copied to the samples.
+    - Sampling, the sampler's log-probs, EOS and `min_new` run on the device; without stop strings
+      the host looks every `CHECK_EVERY` steps whether every row has ended (one sync), with them
+      every step (the text is decoded on the host).
+    - Finished rows decode on (fixed shapes); their tokens past EOS or a stop are dropped.
+    - The graph reads the weights where they were at capture: a weight whose storage moved (a
+      resume's `load_state_dict` into new tensors, DeepSpeed replacing `.data`) is noticed at the
+      next call, and every shape is captured again.
+
+    Off CUDA, or with POSTTRAIN_CUDA_GRAPHS=0, the same step runs eagerly: that is how the CPU tests
+    check it against HF `generate` and the trainer's forward (the CPU itself uses `FastDecoder`).
+    Replaying a graph runs the same kernels on the same shapes, so decoding stays reproducible run to
+    run under torch's deterministic mode."""
+
+    devices = ("cpu", "cuda")
+
+    def __init__(self, model: torch.nn.Module, graphs: bool | None = None) -> None:
+        import os
+        super().__init__(model)  # (kept by `decoder_for` for the model's lifetime: it holds no reference to it)
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.use_graphs = on_cuda and os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
+        if self.use_graphs and not on_cuda:
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
+        self.weights_at_capture: tuple[int, ...] = ()
+        self.pool = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the decoder's model was freed")
+        return model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        import weakref
+        self._model = weakref.ref(model)
+
+    def _weight_pointers(self) -> tuple[int, ...]:
+        ts = [self.embed, self.head, self.norm[0], self.cos, self.sin]
+        for L in self.layers:
+            ts += [L.ln1[0], L.ln2[0], L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd]
+            ts += [t for t in (L.bq, L.bk, L.bv, L.bo) if t is not None]
+            ts += [n[0] for n in (L.qn, L.kn) if n is not None]
+        return tuple(t.data_ptr() for t in ts)
+
+    def _fixed(self, rows: int, width: int) -> _Fixed:
+        """The state of that shape, its step captured (CUDA graphs) the first time it is asked for."""
+        key = (rows, width)
+        st = self.shapes.pop(key, None)
+        if st is None:
+            if len(self.shapes) >= MAX_GRAPHS:
+                self.shapes.pop(next(iter(self.shapes)))  # the least recently used shape
+            st = _Fixed(self, rows, width)
+            if self.use_graphs:
+                try:
+                    self._capture(st)
+                except RuntimeError as e:  # an op this torch cannot capture: the same step, eagerly
+                    log.warning("CUDA graph capture failed, decoding steps run eagerly from now on "
+                                "(%s=0 skips the attempt): %s", GRAPHS_ENV, e)
+                    self.use_graphs, st.graph = False, None
+                    torch.cuda.synchronize()
+        self.shapes[key] = st
+        return st
+
+    def _capture(self, st: _Fixed) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()  # the shapes' graphs share one memory pool
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires (lazy inits)
+            for _ in range(2):
+                self._step(st)
+        torch.cuda.current_stream().wait_stream(side)
+        st.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st.graph, pool=self.pool):
+            st.logits = self._step(st)
+
+    def _run(self, st: _Fixed) -> torch.Tensor:
+        if st.graph is None:
+            return self._step(st)
+        st.graph.replay()
+        return st.logits
+
+    def _step(self, st: _Fixed) -> torch.Tensor:
+        """Logits [rows, V] of the next token of every row: `st.tok` at position `st.pos`, its keys
+        and values written at cache column `st.col`, attending the columns `st.valid` marks."""
+        rows, width = st.valid.shape
+        h = F.embedding(st.tok, self.embed)[:, None]  # [rows, 1, H]
+        cos, sin = self.cos[st.pos][:, None, None], self.sin[st.pos][:, None, None]  # [rows, 1, 1, hd]
+        # additive, shared by every layer: 0 where a key is visible, -inf where not
+        mask = torch.zeros((rows, self.heads, width), dtype=h.dtype, device=h.device).masked_fill_(
+            ~st.valid[:, None], float("-inf")).view(rows * self.kv_heads, self.groups, width)
+        for L, (kc, vc) in zip(self.layers, st.caches):
+            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask)
+        return _linear(_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
+
+    def _fixed_block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                     vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
+        over the cache's whole width."""
+        B, _, H = h.shape
+        nh, nkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.groups
+        width = kc.shape[-1]
+        x = _rms(h, *L.ln1)
+        qkv = torch.cat([F.linear(x, L.wq, L.bq), F.linear(x, L.wk, L.bk), F.linear(x, L.wv, L.bv)], dim=-1)
+        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk, v = qk.view(B, 1, nh + nkv, hd), v.view(B, 1, nkv, hd)
+        if L.qn is not None:
+            qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
+        qk = _rotate(qk, cos, sin)
+        q, k = qk[:, :, :nh], qk[:, :, nh:]
+        kc.index_copy_(3, col, k.permute(0, 2, 3, 1))  # [B, kv, hd, 1] at column col
+        vc.index_copy_(2, col, v.transpose(1, 2))      # [B, kv, 1, hd]
+        scores = torch.baddbmm(mask, q.reshape(B * nkv, g, hd), kc.view(B * nkv, hd, width), alpha=self.scaling)
+        o = (torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)).view(B, 1, nh * hd)
+        h = h + F.linear(o, L.wo, L.bo)
+        x = _rms(h, *L.ln2)
+        return h + F.linear(F.silu(F.linear(x, L.wg)) * F.linear(x, L.wu), L.wd)
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
+               top_p: float = 1.0, min_new: int = 0, logprobs: bool = True,
+               stop: Callable[[list[int]], bool] | None = None,
+               ) -> tuple[list[list[int]], list[list[float]]]:
+        """As `FastDecoder.decode`: the new tokens of each prompt (ending at EOS or at a token after
+        which `stop` is true, both kept, or at max_new) and their log-probs under softmax(logits / T)."""
+        self._pack()
+        self.kernel = None  # torch ops: the compiled kernels are CPU code
+        if self.use_graphs:
+            pointers = self._weight_pointers()
+            if pointers != self.weights_at_capture:
+                self.shapes.clear()  # captured against weights that moved: capture again
+                self.weights_at_capture = pointers
+        B = len(prompts)
+        out_tok: list[list[int]] = [[] for _ in range(B)]
+        out_lp: list[list[float]] = [[] for _ in range(B)]
+        width = max(len(p) for p in prompts)
+        max_new = min(max_new, max(0, self.max_positions - width))
+        if max_new == 0:
+            return out_tok, out_lp
+        dev = self.embed.device
+        rows_n = bucket(B)
+        cols = min(-(-(width + max_new) // WIDTH_STEP) * WIDTH_STEP, self.max_positions)
+        st = self._fixed(rows_n, cols)
+        padded = list(prompts) + [prompts[0]] * (rows_n - B)  # filler rows share row 0's prefill
+        ids, valid = left_pad(padded, pad, room=cols - width)
+        ids, valid = ids.to(dev), valid.bool().to(dev)
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        rows, inverse = distinct(padded)
+        inverse = inverse.to(dev)
+        caches = [(torch.zeros(len(rows), self.kv_heads, self.head_dim, width, dtype=self.embed.dtype, device=dev),
+                   torch.zeros(len(rows), self.kv_heads, width, self.head_dim, dtype=self.embed.dtype, device=dev))
+                  for _ in self.layers]
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        mask = (causal & valid[rows, None, :width]) | torch.eye(width, dtype=torch.bool, device=dev)
+        logits = self._forward(ids[rows], positions[rows], caches, 0, mask[:, None])[inverse]
+        for (kc, vc), (ku, vu) in zip(st.caches, caches):
+            kc[..., :width].copy_(ku[inverse])
+            vc[:, :, :width].copy_(vu[inverse])
+        del caches
+        st.valid.copy_(valid)
+        st.pos.copy_(positions[:, -1] + 1)
+        tokens = torch.zeros(rows_n, max_new, dtype=torch.long, device=dev)
+        lps = torch.zeros(rows_n, max_new, dtype=torch.float32, device=dev)
+        ended = torch.zeros(rows_n, dtype=torch.bool, device=dev)
+        stopped = [False] * B  # stop strings: rows whose text ended, as the host decodes it
+        steps = max_new
+        for t in range(max_new):
+            nxt, lp = self._choose(logits, t, eos, temperature, top_p, min_new, logprobs)
+            tokens[:, t] = nxt
+            if lp is not None:
+                lps[:, t] = lp
+            ended |= nxt == eos
+            if stop is not None:
+                for r, tok in enumerate(nxt[:B].tolist()):
+                    if not stopped[r]:
+                        out_tok[r].append(tok)
+                        stopped[r] = tok == eos or stop(out_tok[r])
+            if t == max_new - 1:
+                break
+            if all(stopped) if stop is not None else (t + 1) % CHECK_EVERY == 0 and bool(ended[:B].all()):
+                steps = t + 1
+                break
+            st.tok.copy_(nxt)
+            st.col.fill_(width + t)
+            st.valid[:, width + t] = True
+            logits = self._run(st)
+            st.pos += 1
+        toks = tokens[:B, :steps].tolist()
+        got = lps[:B, :steps].tolist() if logprobs else None
+        for r in range(B):
+            n = len(out_tok[r]) if stop is not None else (toks[r].index(eos) + 1 if eos in toks[r] else steps)
+            out_tok[r] = toks[r][:n]
+            out_lp[r] = got[r][:n] if got is not None else []
         return out_tok, out_lp

@@ -1,0 +1,182 @@
+"""The fixed-shape decoder (`trainer.fastgen.StaticDecoder`): the in-process engine's path on CUDA,
+where each decoding step is captured once as a CUDA graph and replayed.
+
+On CPU its step runs eagerly: the same arithmetic at the same shapes (a power-of-two bucket of
+rows with filler rows, the cache's whole width under a mask, the cache column and positions read
+from tensors), checked here against HF `generate` and the trainer's forward, in fp32, on the tiny
+models and on SmolLM2-135M's real weights. What only CUDA has (capture, replay, noticing weights
+that moved) is tested where CUDA exists and skipped with a message where it does not: this
+machine's suite cannot check it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.bench_ref import problems
+from tests.test_fastgen import _hf_greedy, _model, _prompts, char_tok  # noqa: F401 (a fixture)
+from trainer.chat import encode_prompt
+from trainer.fastgen import FastDecoder, StaticDecoder, bucket
+from trainer.generate import StopStrings, decoder_for, generate
+from trainer.rl.logprobs import token_logprobs
+from trainer.rl.trajectory import Sample, pack
+
+# fp32, the decoder's log-probs against the trainer's forward over the same tokens: float rounding
+# alone (other products, other orders of summation). On SmolLM2 against HF's own forward, a row at a
+# time: this decoder max 1.08e-5, mean 1.7e-6; the CPU's compiled decoder max 1.65e-5, mean 1.9e-6;
+# against the trainer's fused passes (its own products) this decoder max 2.2e-5, mean 5.4e-6.
+MAX_GAP, MEAN_GAP = 5e-5, 1e-5
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="CUDA graph capture and replay need a CUDA device, and this machine has none "
+                                 "(the tests above run the same step eagerly on CPU)")
+
+
+def _trainer_gap(model, tok, prompts, toks, lps, temperature: float) -> tuple[float, float, int]:
+    """Largest and mean |decoder log-prob - trainer log-prob| over the generated tokens, and their count."""
+    samples = [Sample(0, p, t, lp, "", "stop") for p, t, lp in zip(prompts, toks, lps)]
+    packed = pack(samples, [0.0] * len(samples), tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
+    gap = (lp.to(packed.engine_logp.device) - packed.engine_logp).abs() * packed.mask
+    n = int(packed.mask.sum())
+    return gap.max().item(), gap.sum().item() / max(n, 1), n
+
+
+def test_rows_decode_in_power_of_two_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 8, 9, 21, 32, 33, 384)] == [1, 2, 4, 8, 16, 32, 32, 64, 512]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_are_hf_generates_and_logprobs_the_trainers(char_tok, kind):
+    """21 prompts of uneven lengths (a bucket of 32: 11 filler rows), rows ending at different steps."""
+    model = _model(kind, char_tok)
+    prompts = _prompts(char_tok, 21)
+    toks, lps = StaticDecoder(model, graphs=False).decode(prompts, 40, char_tok.eos_token_id, char_tok.pad_token_id)
+    assert toks == _hf_greedy(model, char_tok, prompts, 40)
+    assert len({len(t) for t in toks}) >= 3
+    gap, mean, n = _trainer_gap(model, char_tok, prompts, toks, lps, 1.0)
+    assert n > 50 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_groups_share_a_prefill_and_their_logprobs_are_the_trainers(char_tok, temperature, top_p):
+    model = _model("qwen2", char_tok)
+    prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]  # 6 groups of 4: 24 rows, bucket 32
+    torch.manual_seed(5)
+    toks, lps = StaticDecoder(model, graphs=False).decode(prompts, 24, char_tok.eos_token_id, char_tok.pad_token_id,
+                                                          temperature=temperature, top_p=top_p)
+    gap, mean, n = _trainer_gap(model, char_tok, prompts, toks, lps, temperature)
+    assert n > 150 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
+    assert len({tuple(t) for t in toks[:4]}) > 1  # a group's samples differ: each row draws its own
+
+
+def test_min_new_tokens_holds_back_eos(char_tok):
+    model = _model("llama", char_tok)
+    with torch.no_grad():
+        model.lm_head.weight[char_tok.eos_token_id] += 50 * model.lm_head.weight.std()  # EOS nearly certain
+    prompts, eos = _prompts(char_tok, 6), char_tok.eos_token_id
+    dec = StaticDecoder(model, graphs=False)
+    torch.manual_seed(1)
+    free, _ = dec.decode(prompts, 12, eos, char_tok.pad_token_id, temperature=1.0)
+    held, _ = dec.decode(prompts, 12, eos, char_tok.pad_token_id, temperature=1.0, min_new=5)
+    assert all(t == [eos] for t in free)
+    assert all(len(t) >= 6 and t[-1] == eos and eos not in t[:5] for t in held)
+
+
+def test_three_turn_continuation_is_one_pass_over_the_same_tokens(char_tok):
+    """Each turn continues the conversation token in token out (the last turn's tokens, then an
+    environment's reply, become the next prompt); every turn's log-probs are those of one forward
+    pass over the whole three-turn sequence at the policy's positions."""
+    model = _model("llama", char_tok)
+    dec = StaticDecoder(model, graphs=False)
+    eos, pad = char_tok.eos_token_id, char_tok.pad_token_id
+    reply = [t for t in _prompts(char_tok, 1)[0][-6:] if t != eos]  # an environment's tokens
+    convo = _prompts(char_tok, 5)
+    policy = [[] for _ in convo]  # (position, log-prob) of every policy token
+    for turn in range(3):
+        torch.manual_seed(turn)
+        toks, lps = dec.decode(convo, 10, eos, pad, temperature=0.8)
+        for r, (t, lp) in enumerate(zip(toks, lps)):
+            policy[r] += [(len(convo[r]) + i, x) for i, x in enumerate(lp)]
+            convo[r] = convo[r] + t + (reply if turn < 2 else [])
+    with torch.no_grad():
+        for r, seq in enumerate(convo):
+            logits = model(input_ids=torch.tensor([seq])).logits[0].float() / 0.8
+            whole = torch.log_softmax(logits, -1)
+            got = torch.tensor([x for _, x in policy[r]])
+            want = torch.stack([whole[pos - 1, seq[pos]] for pos, _ in policy[r]])
+            assert len(policy[r]) >= 12 and (got - want).abs().max().item() < MAX_GAP
+
+
+def test_stop_strings_end_rows_where_the_cpu_decoder_ends_them(char_tok):
+    model = _model("qwen2", char_tok)  # (its rows run longest)
+    prompts, eos, pad = _prompts(char_tok, 20), char_tok.eos_token_id, char_tok.pad_token_id
+    dec = StaticDecoder(model, graphs=False)
+    free, _ = dec.decode(prompts, 30, eos, pad)
+    stops = tuple(dict.fromkeys(char_tok.decode(t[4:6]) for t in free if len(t) > 8))[:3]
+    assert stops
+    stopper = StopStrings(char_tok, stops)
+    got, lps = dec.decode(prompts, 30, eos, pad, stop=stopper)
+    want, _ = FastDecoder(model).decode(prompts, 30, eos, pad, stop=stopper)
+    assert got == want
+    assert sum(len(g) < len(f) for g, f in zip(got, free)) >= 3
+    assert all(len(lp) == len(g) for lp, g in zip(lps, got))
+
+
+def test_smollm2_greedy_tokens_are_hf_generates_and_logprobs_the_trainers(smollm2):
+    """The real SmolLM2-135M-Instruct weights and tokenizer, its chat template, 6 questions (a
+    bucket of 8)."""
+    _, model, tok = smollm2
+    prompts = [encode_prompt(tok, [{"role": "user", "content": p["question"]}]) for p in problems(6)]
+    toks, lps = StaticDecoder(model, graphs=False).decode(prompts, 48, tok.eos_token_id, tok.pad_token_id)
+    assert toks == _hf_greedy(model, tok, prompts, 48)
+    gap, mean, n = _trainer_gap(model, tok, prompts, toks, lps, 1.0)
+    print(f"\nSmolLM2 fixed-shape decoder: {n} tokens, |log-prob - trainer's| max {gap:.2e} mean {mean:.2e}")
+    assert n > 150 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
+
+
+def test_on_cpu_generation_keeps_the_compiled_decoder(char_tok):
+    assert type(decoder_for(_model("llama", char_tok))) is FastDecoder
+
+
+# ---------------------------------------------------------------- CUDA only
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(char_tok, dtype):
+    model = _model("qwen2", char_tok).to("cuda", dtype)
+    prompts, eos, pad = _prompts(char_tok, 21), char_tok.eos_token_id, char_tok.pad_token_id
+    eager = StaticDecoder(model, graphs=False).decode(prompts, 40, eos, pad)
+    dec = StaticDecoder(model, graphs=True)
+    first = dec.decode(prompts, 40, eos, pad)
+    (st,) = dec.shapes.values()
+    assert st.graph is not None
+    again = dec.decode(prompts, 40, eos, pad)  # the captured graph, replayed
+    assert first == eager and again == eager
+    if dtype == torch.float32:
+        assert first[0] == _hf_greedy(model, char_tok, prompts, 40)
+
+
+@cuda
+def test_graph_sampled_logprobs_are_the_trainers(char_tok):
+    model = _model("llama", char_tok).to("cuda")
+    prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
+    gens = generate(model, char_tok, prompts, 24, temperature=0.7, seed=5)
+    assert decoder_for(model).shapes  # generate went through the fixed-shape decoder, captured
+    gap, mean, n = _trainer_gap(model, char_tok, prompts, [g.token_ids for g in gens], [g.logprobs for g in gens], 0.7)
+    assert n > 150 and gap < 1e-4, gap  # CUDA's fp32 products (TF32 off) round differently from the trainer's
+
+
+@cuda
+def test_weights_that_move_are_captured_again(char_tok):
+    model = _model("llama", char_tok).to("cuda")
+    prompts = _prompts(char_tok, 12)
+    dec = decoder_for(model)
+    assert isinstance(dec, StaticDecoder) and decoder_for(model) is dec  # one per model, graphs kept
+    generate(model, char_tok, prompts, 16, logprobs=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 1.5  # new storage: the captured graph would read the old
+    got = generate(model, char_tok, prompts, 16, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 16)
