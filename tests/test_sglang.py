@@ -162,3 +162,12 @@ def test_env_dir_is_keyed_by_the_pins(tmp_path, monkeypatch):
     cpu, cuda = env_dir("cpu"), env_dir("cuda")
     assert cpu.parent == tmp_path and cpu.name.startswith("sglang-cpu-") and cuda.name.startswith("sglang-cuda-")
     assert env_dir("cpu") == cpu  # stable
+
+
+def test_weights_go_as_a_folder_unless_tensor_is_asked_for():
+    from trainer.rl.sglang import syncs_by_tensor
+
+    assert syncs_by_tensor(SGLangConfig()) is False
+    assert syncs_by_tensor(SGLangConfig(device="cpu", weight_sync="tensor")) is True
+    with pytest.raises(ValueError, match="weight_sync"):
+        SGLangConfig(weight_sync="ipc")

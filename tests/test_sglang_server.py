@@ -342,38 +342,59 @@ def test_three_turn_episodes_on_sglang_match_the_trainers_logprobs(servers, base
     assert packed.mask.sum() > 60 and diff.max().item() < MAX_DIFF
 
 
-def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_model, tiny_tokenizer, tmp_path):
+@pytest.fixture(params=["tensor", "disk"])
+def sync_by(request, servers):
+    """Each test below runs with the weights sent as a saved folder (the default) and by tensor
+    (rollout.sglang.weight_sync=tensor: shared memory, no folder)."""
+    default = servers.tensor_sync
+    servers.tensor_sync = request.param == "tensor"
+    yield request.param
+    servers.tensor_sync = default
+
+
+def torch_shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
+
+
+def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_model, tiny_tokenizer, tmp_path, sync_by):
     from transformers import AutoModelForCausalLM
     from trainer.rl.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
     before = greedy(servers, prompts)
+    shm = torch_shm_files()
     trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers)
     try:
         batch = trainer.score(trainer.rollout())
         stats = trainer.update(batch)
         assert stats["update/optimizer_steps"] == 1
-        trainer.publish(stats)
+        stats = trainer.publish(stats)
         after = greedy(servers, prompts)
         assert [g.token_ids for g in after] != [g.token_ids for g in before]  # the served policy changed
         same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), after)
-        print(f"\nafter sync: greedy identical {same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
+        print(f"\nafter sync by {sync_by} ({stats['time/sync_seconds']:.2f} s): greedy identical "
+              f"{same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
         assert same == len(prompts) and max_d < MAX_DIFF and mean_d < MEAN_DIFF
+        # by tensor: no folder written, and no shared-memory file left behind
+        assert (tmp_path / "sync").exists() == (sync_by == "disk")
+        assert torch_shm_files() <= shm
     finally:
         servers.update_weights(str(path))  # the next tests expect the base weights
     assert [g.token_ids for g in greedy(servers, prompts)] == [g.token_ids for g in before]
 
 
-def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, base_model, tiny_tokenizer, tmp_path):
-    """model.lora with SGLang: the trainer holds peft's adapters over a frozen base; each round's
-    export is the merged model (a plain Llama, no adapter tensors, no peft config), which the servers
-    load and answer with as the in-process engine does on the merged weights, round after round."""
+def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, base_model, tiny_tokenizer, tmp_path,
+                                                                     sync_by):
+    """model.lora with SGLang: the trainer holds peft's adapters over a frozen base; each round the
+    servers get the merged model (a plain Llama's weights: no adapter tensors; on disk no peft
+    config either) and answer as the in-process engine does on the merged weights, round after round."""
     import json
 
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from trainer import lora
+    from trainer.engine import full_weights
     from trainer.rl.engines import HFEngine
 
     path, _ = base_model
@@ -389,10 +410,15 @@ def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, bas
             assert stats["update/optimizer_steps"] == 1
             trainer.publish(stats)
             sync = tmp_path / "sync"
-            assert not (sync / "adapter_config.json").exists()
-            assert json.loads((sync / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-            with safe_open(str(sync / "model.safetensors"), "pt") as f:
-                keys = set(f.keys())
+            if sync_by == "disk":
+                assert not (sync / "adapter_config.json").exists()
+                assert json.loads((sync / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+                with safe_open(str(sync / "model.safetensors"), "pt") as f:
+                    keys = set(f.keys())
+            else:
+                assert not sync.exists()
+                with full_weights(trainer.ds) as weights:  # what the servers were sent
+                    keys = set(weights)
             assert keys and not any("lora" in k or "base_layer" in k for k in keys)
             served.append(greedy(servers, prompts))
             assert [g.token_ids for g in served[-1]] != [g.token_ids for g in served[-2]]  # the new adapters

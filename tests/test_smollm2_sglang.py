@@ -110,3 +110,33 @@ def test_one_grpo_round_through_sglang_on_the_real_weights(server, smollm2, smol
     finally:
         trainer.engine = HFEngine(trainer.ds.module, tok)  # the module's server is closed by its fixture
         server.update_weights(str(folder))
+
+
+def test_weights_by_tensor_and_from_disk_serve_the_same_policy(server, smollm2, tmp_path):
+    """The two ways a round's weights reach the server (rollout.sglang.weight_sync), on the real
+    model: the same perturbed weights sent by tensor and saved then loaded from disk serve the same
+    greedy answers; the seconds each took are printed (a round's sync)."""
+    import torch
+
+    folder, model, tok = smollm2
+    ids = prompts(tok)
+    base = greedy(server, ids, 24)
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    try:
+        t0 = time.perf_counter()
+        server.update_weights_from_tensors(weights)
+        by_tensor = time.perf_counter() - t0
+        tensor_answers = greedy(server, ids, 24)
+        server.update_weights(str(folder))
+        t0 = time.perf_counter()
+        model.save_pretrained(str(tmp_path / "sync"), state_dict=weights, safe_serialization=True)
+        tok.save_pretrained(str(tmp_path / "sync"))
+        server.update_weights(str(tmp_path / "sync"))
+        from_disk = time.perf_counter() - t0
+        disk_answers = greedy(server, ids, 24)
+        print(f"\nSmolLM2 weights to the server: by tensor {by_tensor:.2f} s, saved and loaded from disk {from_disk:.2f} s")
+        assert [g.token_ids for g in tensor_answers] == [g.token_ids for g in disk_answers]
+        assert [g.token_ids for g in tensor_answers] != [g.token_ids for g in base]
+    finally:
+        server.update_weights(str(folder))

@@ -258,6 +258,10 @@ class SGLangConfig(Strict):
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="a /generate or weight update taking longer fails "
                                      "the round, naming the server")
+    weight_sync: Literal["disk", "tensor"] = Field(
+        "disk", description="how each round's weights reach the servers: disk (a save_pretrained folder, "
+        "update_weights_from_disk) or tensor (update_weights_from_tensor: the tensors in shared memory, no folder; "
+        "servers on this machine only; measured slower in CPU mode, not yet run on GPUs: docs/gpu.md)")
 
 
 BUILTIN_ENVIRONMENTS = ("calculator", "single_turn")  # built by trainer/rl/envs.py (a test checks the two agree)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -189,9 +190,10 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
     return engine, optimizer, scheduler
 
 
-def export_model(engine, tokenizer, out_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
-    """save_pretrained of the full (unpartitioned) weights, from rank 0. A LoRA policy is saved merged
-    (a plain model every engine and stage loads), and its adapter alone into `adapter_dir` when given."""
+@contextlib.contextmanager
+def full_weights(engine) -> Iterator[dict[str, torch.Tensor] | None]:
+    """The policy's full weights by name, as a plain model holds them (a LoRA policy merged), on rank
+    0 (None on the others), gathered first while ZeRO-3 partitions them (every rank must enter)."""
     import deepspeed
 
     from trainer import lora
@@ -200,8 +202,17 @@ def export_model(engine, tokenizer, out_dir: str | Path, adapter_dir: str | Path
     stage = engine.zero_optimization_stage()
     params = list(module.parameters()) if stage == 3 else []
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
-        if rank() == 0:
-            state = lora.plain_state(module)
+        yield lora.plain_state(module) if rank() == 0 else None
+
+
+def export_model(engine, tokenizer, out_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
+    """save_pretrained of the full (unpartitioned) weights, from rank 0. A LoRA policy is saved merged
+    (a plain model every engine and stage loads), and its adapter alone into `adapter_dir` when given."""
+    from trainer import lora
+
+    module = engine.module
+    with full_weights(engine) as state:
+        if state is not None:
             lora.inner(module).save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(str(out_dir))
             if adapter_dir is not None and lora.adapted(module):

@@ -424,11 +424,16 @@ class GRPOTrainer:
         """Give an out-of-process rollout engine the policy's current weights (the HF engine shares them)."""
         if isinstance(self.engine, HFEngine):
             return
-        model_dir = self.work_dir / "sync"
-        ds.export_model(self.ds, self.tok, model_dir)
         # the ranks share the servers: rank 0 reloads them once, the others wait for it
-        if ds.rank() == 0:
-            self.engine.update_weights(str(model_dir))
+        if getattr(self.engine, "tensor_sync", False):
+            with ds.full_weights(self.ds) as weights:  # no folder: the servers copy from this process
+                if weights is not None:
+                    self.engine.update_weights_from_tensors(weights)
+        else:
+            model_dir = self.work_dir / "sync"
+            ds.export_model(self.ds, self.tok, model_dir)
+            if ds.rank() == 0:
+                self.engine.update_weights(str(model_dir))
         ds.barrier()
 
     def publish(self, stats: dict[str, float]) -> dict[str, float]:

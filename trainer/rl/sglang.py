@@ -11,8 +11,14 @@
   gets seed base + i) and `return_logprob`; each result's `meta_info.output_token_logprobs` holds
   `[logprob, token_id, text]` per generated token, `meta_info.finish_reason.type` is "stop" or
   "length". Every copy of a prompt goes to one server (its prefix cache), distinct prompts round-robin.
-- weights: POST /update_weights_from_disk {"model_path": ...} on every server. SGLang answers 200
-  `{"success": true}`, or 400 `{"success": false, "message": ...}` and keeps the old weights.
+- weights, by tensor (`rollout.sglang.weight_sync: tensor`, servers on this machine): in
+  one weight-update session a server (/begin_weight_update, /end_weight_update), chunks of the
+  weights go by POST /update_weights_from_tensor. The request carries names only: torch's pickling
+  puts CPU tensors in shared-memory files (its `file_system` strategy) and CUDA tensors behind IPC
+  handles, which a server on this machine maps and copies from. No folder is written.
+- weights, from disk (the default): POST /update_weights_from_disk
+  {"model_path": ...} on every server. SGLang answers 200 `{"success": true}`, or 400
+  `{"success": false, "message": ...}` and keeps the old weights.
 
 An unreachable server, a dead server process, a time-out or an error reply raises `SGLangError`
 naming the server and what to check. Faults are not retried here: the round fails, the stage's
@@ -44,6 +50,7 @@ log = logging.getLogger(__name__)
 PINS_DIR = Path(__file__).resolve().parents[2] / "deployments" / "sglang"
 SERVER_WRAPPER = Path(__file__).resolve().parent / "sglang_server.py"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
+TENSOR_CHUNK_BYTES = 512 << 20  # weights in shared memory at once during a tensor sync
 
 
 class SGLangError(InputError):
@@ -163,6 +170,15 @@ def server_env(cfg: SGLangConfig, i: int) -> dict[str, str]:
 PORT_SCAN = 100
 
 
+def syncs_by_tensor(cfg: SGLangConfig) -> bool:
+    """Whether each round's weights go by tensor (`weight_sync: tensor`) rather than as a folder.
+    Not the default: in CPU mode the folder is faster (SmolLM2-135M 0.9-1.3 s saved and loaded, against
+    2.0-5.1 s by tensor: two copies into shared memory, then the server's; tests/test_smollm2_sglang.py),
+    and on GPUs the CUDA IPC path has not run (a handle names the trainer's device index, which a
+    server with other visible GPUs numbers differently)."""
+    return cfg.weight_sync == "tensor"
+
+
 def free_ports(host: str, base: int, n: int) -> list[int]:
     """The first `n` ports from `base` up that a server could listen on: another run's servers on
     this machine hold theirs, so concurrent runs do not collide."""
@@ -239,18 +255,23 @@ class SGLangEngine:
     # and the servers batch them (trainer/rl/orchestrator.py)
     concurrent = True
 
-    def __init__(self, servers: list[_Server], tok, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, servers: list[_Server], tok, request_timeout_s: float = 600.0, tensor_sync: bool = False,
+                 tp_size: int = 1) -> None:
         if not servers:
             raise SGLangError("rollout.sglang: no servers; set rollout.sglang.urls or launch: true")
         self.servers, self.tok, self.timeout = servers, tok, request_timeout_s
+        # weights by update_weights_from_tensor (servers on this machine), else a folder each round
+        self.tensor_sync, self.tp_size = tensor_sync, tp_size
         self._session = requests.Session()
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, model_path: str, tok, dtype: str = "bfloat16") -> "SGLangEngine":
         """Connect to `cfg.urls`, or launch `cfg.num_servers` servers on `model_path`; healthy on return.
         Launched servers are stopped again if any of them fails to come up."""
+        tensor_sync = syncs_by_tensor(cfg)
+        tp = cfg.gpus_per_server if cfg.device == "cuda" else 1
         if cfg.urls:
-            engine = cls([_Server(u) for u in cfg.urls], tok, cfg.request_timeout_s)
+            engine = cls([_Server(u) for u in cfg.urls], tok, cfg.request_timeout_s, tensor_sync, tp)
         elif cfg.launch:
             problem = check_server_python(cfg)
             if problem:
@@ -268,7 +289,7 @@ class SGLangEngine:
                 for s in servers:  # the ones already started
                     s.stop()
                 raise
-            engine = cls(servers, tok, cfg.request_timeout_s)
+            engine = cls(servers, tok, cfg.request_timeout_s, tensor_sync, tp)
         else:
             raise SGLangError("rollout.sglang: urls is empty and launch is false; give server URLs or launch: true")
         engine.wait_healthy(cfg.startup_timeout_s)
@@ -374,6 +395,61 @@ class SGLangEngine:
                 raise SGLangError(f"SGLang server {s.url} refused new weights from {model_dir} (HTTP {status}): "
                                   f"{msg}; it keeps serving its previous weights. Check that the folder is a "
                                   "complete save_pretrained model readable from the server's machine")
+
+    def update_weights_from_tensors(self, weights: dict[str, "torch.Tensor"]) -> None:
+        """Every server copies `weights` (names as in a save_pretrained folder) from this process's
+        memory: chunks of at most TENSOR_CHUNK_BYTES are copied into shared memory (CPU) or exported
+        by IPC handle (CUDA), and each server, in one weight-update session, maps and loads them.
+        The servers must run on this machine. Raises SGLangError naming the server if one refuses."""
+        import base64
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch
+        import torch.multiprocessing as tmp
+
+        chunks: list[list[str]] = [[]]
+        size = 0
+        for name, t in weights.items():
+            if chunks[-1] and size + t.nbytes > TENSOR_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(name)
+            size += t.nbytes
+        opened: list[_Server] = []
+        try:
+            for s in self.servers:
+                self._expect(s, "/begin_weight_update", {"selector": "all"})
+                opened.append(s)
+            for k, names in enumerate(chunks):
+                # copies: the policy's own storage stays where it is; freed once every server has loaded
+                named = [(n, weights[n].detach().clone()) for n in names]
+                strategy = tmp.get_sharing_strategy()
+                tmp.set_sharing_strategy("file_system")  # files a server maps by name (fd passing needs a child)
+                try:
+                    buf = io.BytesIO()
+                    ForkingPickler(buf).dump(named)
+                finally:
+                    tmp.set_sharing_strategy(strategy)
+                payload = base64.b64encode(buf.getvalue()).decode()
+                for s in self.servers:
+                    self._expect(s, "/update_weights_from_tensor", {
+                        "serialized_named_tensors": [payload] * self.tp_size, "flush_cache": k == len(chunks) - 1})
+                del named, buf
+        finally:
+            for s in opened:
+                try:
+                    self._post(s, "/end_weight_update", {})
+                except SGLangError:
+                    pass  # the error that stopped the update is the one to report
+
+    def _expect(self, server: _Server, path: str, payload: dict) -> None:
+        status, reply = self._post(server, path, payload)
+        if status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+            msg = reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
+            raise SGLangError(f"SGLang server {server.url} refused the policy's weights ({path}, HTTP {status}): "
+                              f"{msg}; its weights may be partly updated, so the round stops. The server must run "
+                              "on this machine; rollout.sglang.weight_sync=disk sends a saved folder instead")
 
     def close(self) -> None:
         """Stop the servers this engine launched (never ones it only connected to)."""
