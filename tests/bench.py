@@ -32,8 +32,14 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    the update's seconds (median of rounds 2..3), the trainable parameters and the peak RSS; then full
    and rank 8 again with `grpo.gradient_checkpointing` (each against the full run at its setting).
 
+8. The in-process decoders (`--only decode`, not in the full run): SmolLM2-135M-Instruct's real
+   weights, on the GPU when there is one (16 prompts x 8 samples x 128 tokens; on CPU 4 x 4 x 32),
+   every row decoding the same number of tokens (EOS held back), sampled at T = 1: HF `generate`,
+   the fixed-shape decoder stepped eagerly, and on CUDA replayed from its CUDA graphs, on CPU the
+   compiled decoder; tokens/s of the median of two calls after a first (which captures).
+
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
-the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7.
+the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7, `--only decode` 8.
 """
 
 from __future__ import annotations
@@ -475,11 +481,61 @@ def lora_against_full() -> dict:
     return {"rows": rows, "rounds": LORA_ROUNDS}
 
 
+def decode_engines() -> dict:
+    """Part 8: generated tokens/s of each in-process decoder on the same prompts (see the docstring)."""
+    import torch
+
+    import trainer.generate as G
+    from tests.bench_ref import problems
+    from trainer.chat import encode_prompt
+    from trainer.fastgen import FastDecoder, StaticDecoder
+    from trainer.model import load_model, resolve_pretrained
+    from trainer.tokenizer import load_tokenizer
+
+    cuda = torch.cuda.is_available()
+    folder = resolve_pretrained(SHAPES["smollm2"].pretrained)
+    tok = load_tokenizer(folder)
+    model = load_model(folder).to("cuda" if cuda else "cpu").eval()
+    groups, samples, new = (16, 8, 128) if cuda else (4, 4, 32)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": p["question"]}])
+               for p in problems(groups) for _ in range(samples)]
+    decoders = {"HF generate": None, "fixed shapes, eager": StaticDecoder(model, graphs=False)}
+    if cuda:
+        decoders["fixed shapes, CUDA graphs"] = StaticDecoder(model, graphs=True)
+    else:
+        decoders["compiled (the CPU's)"] = FastDecoder(model)
+    rows = {}
+    chosen = G.decoder_for
+    try:
+        for name, dec in decoders.items():
+            G.decoder_for = lambda _m, _d=dec: _d
+            times = []
+            for rep in range(3):  # the first warms up (and captures the graphs)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                gens = G.generate(model, tok, prompts, new, temperature=1.0, seed=rep, min_new_tokens=new,
+                                  batch_size=len(prompts))
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            n = sum(len(g.token_ids) for g in gens)
+            r = rows[name] = {"seconds": statistics.median(times[1:]), "first_call_seconds": times[0], "tokens": n}
+            r["tokens_per_second"] = n / r["seconds"]
+            print(f"  {name:<28}{r['tokens_per_second']:>10,.0f} tok/s  ({n} tokens in {r['seconds']:.2f}s; "
+                  f"first call {times[0]:.2f}s)", flush=True)
+    finally:
+        G.decoder_for = chosen
+    return {"device": torch.cuda.get_device_name() if cuda else _cpu(), "rows": rows, "rows_decoded": len(prompts),
+            "new_tokens": new, "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+
+
 # the parts `--only` runs alone: (the line printed before it, the part)
 ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
         "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo()),
         "lora": ("LoRA against full fine-tuning (smollm2-135m GRPO rounds, each its own process):",
-                 lambda: lora_against_full())}
+                 lambda: lora_against_full()),
+        "decode": ("the in-process decoders on SmolLM2-135M (GPU when there is one):", lambda: decode_engines())}
 
 
 def main() -> None:
@@ -605,6 +661,12 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
             name = mode if mode.startswith("full") else f"rank {mode}"
             print(f"  {name:<10}{r['trainable_params']:>13,}{r['update_seconds']:>10.3f}{r['update_vs_full']:>9.2f}"
                   f"{r['generate_seconds']:>14.3f}{r['peak_rss_mib']:>14,.0f}{r['peak_rss_vs_full']:>9.2f}")
+    if "decode" in out:
+        d = out["decode"]
+        print(f"in-process decoders on {d['device']}, SmolLM2-135M, {d['rows_decoded']} rows x {d['new_tokens']} tokens:")
+        base = d["rows"]["HF generate"]["tokens_per_second"]
+        for name, r in d["rows"].items():
+            print(f"  {name:<28}{r['tokens_per_second']:>10,.0f} tok/s{r['tokens_per_second'] / base:>8.2f}x")
     print(f"wrote {path}")
 
 
