@@ -201,11 +201,9 @@ class FastDecoder:
         return decode_layer()
 
     # -- the forward pass
-    def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
-               vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """h [B, S, H] (S new positions written at cache columns start:start+S; keys [B, kv, hd, T],
-        values [B, kv, T, hd]); mask: prefill [B, 1, S, start+S] bool, decoding (S = 1)
-        [B * kv_heads, groups, start+1] additive."""
+    def _qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's rotated queries [B, S, heads, hd] and keys and its values [B, S, kv_heads, hd]."""
         B, S, H = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         # with the compiled kernels (the prefill of the compiled path), norms, rotary and SwiGLU are one
@@ -224,7 +222,29 @@ class FastDecoder:
             qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
         if not fused_rotary:
             qk = _rotate(qk, cos, sin)  # q and k rotate together: one set of ops for both
-        q, k = qk[:, :, :nh], qk[:, :, nh:]
+        return qk[:, :, :nh], qk[:, :, nh:], v
+
+    def _out_mlp(self, L: _Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its attention's `o` [B, S, heads * hd]: projection, residual, SwiGLU."""
+        B, S, H = h.shape
+        if self.kernel is not None:
+            ops = torch.ops.posttrain
+            h = h + _linear(o, L.wo, L.bo, True)
+            x = ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln2)[0]
+            gu = torch.cat([ops.linear_fwd(x, L.wg, None), ops.linear_fwd(x, L.wu, None)], dim=-1)
+            return h + ops.linear_fwd(ops.swiglu_fwd(gu), L.wd, None).view(B, S, H)
+        h = h + F.linear(o, L.wo, L.bo)
+        x = _rms(h, *L.ln2)
+        return h + F.linear(F.silu(F.linear(x, L.wg)) * F.linear(x, L.wu), L.wd)
+
+    def _block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kcache: torch.Tensor,
+               vcache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """h [B, S, H] (S new positions written at cache columns start:start+S; keys [B, kv, hd, T],
+        values [B, kv, T, hd]); mask: prefill [B, 1, S, start+S] bool, decoding (S = 1)
+        [B * kv_heads, groups, start+1] additive."""
+        B, S, H = h.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        q, k, v = self._qkv(L, h, cos, sin)
         end = start + S
         kcache[:, :, :, start:end] = k.permute(0, 2, 3, 1)
         vcache[:, :, start:end] = v.transpose(1, 2)
@@ -240,13 +260,7 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(qg, kcache[..., :end].transpose(2, 3), vcache[:, :, :end], attn_mask=m,
                                                scale=self.scaling)
         o = o.view(B, nkv, g, S, hd).permute(0, 3, 1, 2, 4).reshape(B, S, nh * hd)
-        h = h + _linear(o, L.wo, L.bo, c)
-        if ops is not None:
-            x = ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln2)[0]
-            gu = torch.cat([ops.linear_fwd(x, L.wg, None), ops.linear_fwd(x, L.wu, None)], dim=-1)
-            return h + ops.linear_fwd(ops.swiglu_fwd(gu), L.wd, None).view(B, S, H)
-        x = _rms(h, *L.ln2)
-        return h + F.linear(F.silu(F.linear(x, L.wg)) * F.linear(x, L.wu), L.wd)
+        return self._out_mlp(L, h, o)
 
     def _step_compiled(self, ids: torch.Tensor, positions: torch.Tensor, caches, col: int,
                        valid: torch.Tensor) -> torch.Tensor:
@@ -520,25 +534,16 @@ class StaticDecoder(FastDecoder):
     def _fixed_block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
                      vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
-        over the cache's whole width."""
-        B, _, H = h.shape
-        nh, nkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.groups
-        width = kc.shape[-1]
-        x = _rms(h, *L.ln1)
-        qkv = torch.cat([F.linear(x, L.wq, L.bq), F.linear(x, L.wk, L.bk), F.linear(x, L.wv, L.bv)], dim=-1)
-        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
-        qk, v = qk.view(B, 1, nh + nkv, hd), v.view(B, 1, nkv, hd)
-        if L.qn is not None:
-            qk = torch.cat([_rms(qk[:, :, :nh], *L.qn), _rms(qk[:, :, nh:], *L.kn)], dim=2)
-        qk = _rotate(qk, cos, sin)
-        q, k = qk[:, :, :nh], qk[:, :, nh:]
+        its keys and values written at the cache column `col` holds, attending the cache's whole width."""
+        B = h.shape[0]
+        nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
+        q, k, v = self._qkv(L, h, cos, sin)
         kc.index_copy_(3, col, k.permute(0, 2, 3, 1))  # [B, kv, hd, 1] at column col
         vc.index_copy_(2, col, v.transpose(1, 2))      # [B, kv, 1, hd]
-        scores = torch.baddbmm(mask, q.reshape(B * nkv, g, hd), kc.view(B * nkv, hd, width), alpha=self.scaling)
-        o = (torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)).view(B, 1, nh * hd)
-        h = h + F.linear(o, L.wo, L.bo)
-        x = _rms(h, *L.ln2)
-        return h + F.linear(F.silu(F.linear(x, L.wg)) * F.linear(x, L.wu), L.wd)
+        scores = torch.baddbmm(mask, q.reshape(B * nkv, self.groups, hd), kc.view(B * nkv, hd, width),
+                               alpha=self.scaling)
+        o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
+        return self._out_mlp(L, h, o.view(B, 1, self.heads * hd))
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
