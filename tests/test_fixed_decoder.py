@@ -153,7 +153,9 @@ def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(char_tok, dtype)
     (st,) = dec.shapes.values()
     assert st.graph is not None
     again = dec.decode(prompts, 40, eos, pad)  # the captured graph, replayed
-    assert first == eager and again == eager
+    for got in (first, again):  # the same kernels at the same shapes: the same tokens, log-probs to rounding
+        assert got[0] == eager[0]
+        assert max(abs(a - b) for x, y in zip(got[1], eager[1]) for a, b in zip(x, y)) < 1e-5
     if dtype == torch.float32:
         assert first[0] == _hf_greedy(model, char_tok, prompts, 40)
 
