@@ -60,9 +60,10 @@ def test_four_speedruns_at_once_compute_each_key_once(tmp_path):
     seen = {(s["stage"], s["key"]) for r in results for s in r["stages"]}
     assert all(n == 1 for n in ran.values()), f"keys computed more than once: {[k for k, n in ran.items() if n > 1]}"
     assert set(ran) == seen, f"keys nobody computed: {seen - set(ran)}"
-    # the two identical runs: one computed every stage, the other took every stage from cache
+    # the two identical runs: each stage computed by one of them and taken from cache by the other
+    # (not always the same one: a run that waited on a stage's lock can reach the next stage first)
     same = [[s["cache_hit"] for s in r["stages"]] for r in results[:2]]
-    assert sorted(map(sum, same)) == [0, 6], same
+    assert len(same[0]) == len(same[1]) == 6 and all(a != b for a, b in zip(*same)), same
     # each distinct seed has its own keys: 3 seeds x 6 stage results (eval twice)
     assert len(seen) == 3 * 6
     for (stage, key) in seen:
