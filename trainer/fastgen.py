@@ -28,6 +28,8 @@ log-probabilities against the trainer's forward.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from typing import Callable
 
 import torch
@@ -450,7 +452,6 @@ class StaticDecoder(FastDecoder):
     devices = ("cpu", "cuda")
 
     def __init__(self, model: torch.nn.Module, graphs: bool | None = None) -> None:
-        import os
         super().__init__(model)  # (kept by `decoder_for` for the model's lifetime: it holds no reference to it)
         on_cuda = next(model.parameters()).device.type == "cuda"
         self.use_graphs = on_cuda and os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
@@ -469,7 +470,6 @@ class StaticDecoder(FastDecoder):
 
     @model.setter
     def model(self, model: torch.nn.Module) -> None:
-        import weakref
         self._model = weakref.ref(model)
 
     def _weight_pointers(self) -> tuple[int, ...]:

@@ -389,9 +389,8 @@ class SGLangEngine:
             return
         for s in self.servers:
             status, reply = self._post(s, "/update_weights_from_disk", {"model_path": model_dir})
-            ok = status == 200 and not (isinstance(reply, dict) and reply.get("success") is False)
-            if not ok:
-                msg = reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
+            msg = _refusal(status, reply)
+            if msg is not None:
                 raise SGLangError(f"SGLang server {s.url} refused new weights from {model_dir} (HTTP {status}): "
                                   f"{msg}; it keeps serving its previous weights. Check that the folder is a "
                                   "complete save_pretrained model readable from the server's machine")
@@ -405,7 +404,6 @@ class SGLangEngine:
         import io
         from multiprocessing.reduction import ForkingPickler
 
-        import torch
         import torch.multiprocessing as tmp
 
         chunks: list[list[str]] = [[]]
@@ -445,8 +443,8 @@ class SGLangEngine:
 
     def _expect(self, server: _Server, path: str, payload: dict) -> None:
         status, reply = self._post(server, path, payload)
-        if status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
-            msg = reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
+        msg = _refusal(status, reply)
+        if msg is not None:
             raise SGLangError(f"SGLang server {server.url} refused the policy's weights ({path}, HTTP {status}): "
                               f"{msg}; its weights may be partly updated, so the round stops. The server must run "
                               "on this machine; rollout.sglang.weight_sync=disk sends a saved folder instead")
@@ -455,6 +453,13 @@ class SGLangEngine:
         """Stop the servers this engine launched (never ones it only connected to)."""
         for s in self.servers:
             s.stop()
+
+
+def _refusal(status: int, reply: object) -> str | None:
+    """A weight update's reply: None if the server took it, else what it said."""
+    if status == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
+        return None
+    return reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
 
 
 def route(prompts: list[list[int]], n_servers: int) -> list[list[int]]:
