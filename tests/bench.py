@@ -486,35 +486,41 @@ def decode_engines() -> dict:
     import torch
 
     import trainer.generate as G
-    from tests.bench_ref import problems
+    from tests.bench_ref import pretrained_folder, problems
     from trainer.chat import encode_prompt
     from trainer.fastgen import FastDecoder, StaticDecoder
-    from trainer.model import load_model, resolve_pretrained
+    from trainer.model import load_model
     from trainer.tokenizer import load_tokenizer
 
+    from trainer.engine import DETERMINISTIC, deterministic
+
+    deterministic()  # as a run has it: on unless POSTTRAIN_DETERMINISTIC=0
     cuda = torch.cuda.is_available()
-    folder = resolve_pretrained(SHAPES["smollm2"].pretrained)
+    folder = pretrained_folder(SHAPES["smollm2"])
     tok = load_tokenizer(folder)
     model = load_model(folder).to("cuda" if cuda else "cpu").eval()
     groups, samples, new = (16, 8, 128) if cuda else (4, 4, 32)
     prompts = [encode_prompt(tok, [{"role": "user", "content": p["question"]}])
                for p in problems(groups) for _ in range(samples)]
-    decoders = {"HF generate": None, "fixed shapes, eager": StaticDecoder(model, graphs=False)}
+    decoders = {"HF generate": (model, None), "fixed shapes, eager": (model, StaticDecoder(model, graphs=False))}
     if cuda:
-        decoders["fixed shapes, CUDA graphs"] = StaticDecoder(model, graphs=True)
+        decoders["fixed shapes, CUDA graphs"] = (model, StaticDecoder(model, graphs=True))
+        half = load_model(folder, "bfloat16").to("cuda").eval()
+        decoders["HF generate, bf16"] = (half, None)
+        decoders["fixed shapes, CUDA graphs, bf16"] = (half, StaticDecoder(half, graphs=True))
     else:
-        decoders["compiled (the CPU's)"] = FastDecoder(model)
+        decoders["compiled (the CPU's)"] = (model, FastDecoder(model))
     rows = {}
     chosen = G.decoder_for
     try:
-        for name, dec in decoders.items():
+        for name, (m, dec) in decoders.items():
             G.decoder_for = lambda _m, _d=dec: _d
             times = []
             for rep in range(3):  # the first warms up (and captures the graphs)
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                gens = G.generate(model, tok, prompts, new, temperature=1.0, seed=rep, min_new_tokens=new,
+                gens = G.generate(m, tok, prompts, new, temperature=1.0, seed=rep, min_new_tokens=new,
                                   batch_size=len(prompts))
                 if cuda:
                     torch.cuda.synchronize()
@@ -527,6 +533,7 @@ def decode_engines() -> dict:
     finally:
         G.decoder_for = chosen
     return {"device": torch.cuda.get_device_name() if cuda else _cpu(), "rows": rows, "rows_decoded": len(prompts),
+            "deterministic": os.environ.get(DETERMINISTIC, "1") != "0",
             "new_tokens": new, "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
 
 

