@@ -37,7 +37,8 @@ def _trainer_gap(model, tok, prompts, toks, lps, temperature: float) -> tuple[fl
     samples = [Sample(0, p, t, lp, "", "stop") for p, t, lp in zip(prompts, toks, lps)]
     packed = pack(samples, [0.0] * len(samples), tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
+        dev = next(model.parameters()).device
+        lp, _ = token_logprobs(model, packed.ids.to(dev), packed.attn.to(dev), temperature=temperature)
     gap = (lp.to(packed.engine_logp.device) - packed.engine_logp).abs() * packed.mask
     n = int(packed.mask.sum())
     return gap.max().item(), gap.sum().item() / max(n, 1), n
@@ -218,3 +219,17 @@ def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
         torch.use_deterministic_algorithms(was)
     assert got[0] == got[1]  # replayed: the same tokens and log-probs, to the bit
     assert got[0][0] == eager[0]
+
+
+def test_a_tokenizer_without_a_pad_token_generates_as_with_eos_for_pad(char_tok):
+    """A tokenizer loaded as it ships (AutoTokenizer, no pad token: SmolLM2's on transformers 5.17,
+    seen on a GPU host) pads the prompts with EOS: a left pad is never attended."""
+    import copy
+
+    model = _model("llama", char_tok)
+    prompts = _prompts(char_tok, 7)
+    bare = copy.deepcopy(char_tok)
+    bare.pad_token = None
+    assert bare.pad_token_id is None
+    got = generate(model, bare, prompts, 12, logprobs=False)
+    assert [g.token_ids for g in got] == _hf_greedy(model, char_tok, prompts, 12)

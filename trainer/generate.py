@@ -134,7 +134,8 @@ def generate(
     model.eval()
     out: list[Generation] = []
     generator_seed = seed
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos  # a left pad is never attended
     # Longest prompts first keeps padding low; results are put back in input order.
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: dict[int, Generation] = {}
