@@ -203,7 +203,8 @@ def test_weights_that_move_are_captured_again(char_tok):
 @cuda
 def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
     """The default run (POSTTRAIN_DETERMINISTIC unset) decodes from graphs too: index_copy_'s
-    deterministic form syncs with the host, so the step writes its column by a one-hot select."""
+    deterministic form syncs with the host, so the step is captured with the mode off (the plain
+    kernel: one writer per element), and the mode is back on after the capture."""
     model = _model("llama", char_tok).to("cuda")
     prompts, eos, pad = _prompts(char_tok, 9), char_tok.eos_token_id, char_tok.pad_token_id
     eager = StaticDecoder(model, graphs=False).decode(prompts, 24, eos, pad)
@@ -215,6 +216,7 @@ def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
         got = [dec.decode(prompts, 24, eos, pad) for _ in range(2)]
         (st,) = dec.shapes.values()
         assert st.graph is not None and dec.use_graphs
+        assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(was)
     assert got[0] == got[1]  # replayed: the same tokens and log-probs, to the bit

@@ -501,17 +501,29 @@ class StaticDecoder(FastDecoder):
         return st
 
     def _capture(self, st: _Fixed) -> None:
+        """Capture the step of st's shape. Under torch's deterministic mode the step is captured with
+        the mode off, which changes one op: the cache write keeps CUDA's plain index_copy_ kernel
+        (its deterministic form is an index_put_ that checks the indices on the host, a sync a graph
+        cannot hold; the eager step writes by a one-hot select instead, a pass over the whole cache a
+        layer). One column, one writer per element: the plain kernel stores the same values every
+        replay. The mode is restored before anything else runs (capture is synchronous, on this thread)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # the shapes' graphs share one memory pool
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires (lazy inits)
-            for _ in range(2):
-                self._step(st)
-        torch.cuda.current_stream().wait_stream(side)
-        st.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st.graph, pool=self.pool):
-            st.logits = self._step(st)
+        strict = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires (lazy inits)
+                for _ in range(2):
+                    self._step(st)
+            torch.cuda.current_stream().wait_stream(side)
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=self.pool):
+                st.logits = self._step(st)
+        finally:
+            torch.use_deterministic_algorithms(strict, warn_only=warn_only)
 
     def _run(self, st: _Fixed) -> torch.Tensor:
         if st.graph is None:
@@ -529,8 +541,9 @@ class StaticDecoder(FastDecoder):
         mask = torch.zeros((rows, self.heads, width), dtype=h.dtype, device=h.device).masked_fill_(
             ~st.valid[:, None], float("-inf")).view(rows * self.kv_heads, self.groups, width)
         # Under torch's deterministic mode, CUDA's index_copy_ becomes an index_put_ that checks its
-        # indices' range on the host (a sync, which a graph cannot capture); a one-hot select of the
-        # column writes the same values with an elementwise op (one more pass over the cache).
+        # indices' range on the host (a sync each layer); eagerly, a one-hot select of the column
+        # writes the same values with an elementwise op (one more pass over the cache). `_capture`
+        # captures with the mode off, so graphs keep index_copy_.
         sel = (torch.arange(width, device=h.device) == st.col) if self._masked_writes(h.device) else None
         for L, (kc, vc) in zip(self.layers, st.caches):
             h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel)
