@@ -38,8 +38,17 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    the fixed-shape decoder stepped eagerly, and on CUDA replayed from its CUDA graphs, on CPU the
    compiled decoder; tokens/s of the median of two calls after a first (which captures).
 
+On a GPU (`torch.cuda.is_available()`), `make bench` runs instead: the GPU table (`--only gpu`,
+issue 43): `tests/bench_ref.py`'s `smollm2-gpu` shape (SmolLM2-135M, 16 prompts x 8 samples x 128
+tokens, 4 steps measured after 1), each session its own process: TRL's GRPOTrainer with plain
+`generate` (fp32, bf16) and with transformers' continuous batching, posttrain as it ships
+(deterministic; fp32, bf16) and with POSTTRAIN_DETERMINISTIC=0; step, generation tok/s, update, weight
+sync and peak GPU memory, each against TRL at its precision, and the floors at the GPU's own
+measured copy bandwidth and matmul rates; then part 8 on the GPU.
+
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
-the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7, `--only decode` 8.
+the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7, `--only decode` 8,
+`--only gpu` the GPU table.
 """
 
 from __future__ import annotations
@@ -537,12 +546,109 @@ def decode_engines() -> dict:
             "new_tokens": new, "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
 
 
+# ---------------------------------------------------------------- one GPU (issue 43)
+
+GPU_SHAPE = "smollm2-gpu"
+# (label, tool, precision, extra bench_ref arguments, environment): TRL as it ships, posttrain as it ships
+# (deterministic) and without determinism, fp32 and bf16, and TRL with transformers' continuous batching
+GPU_SESSIONS = [
+    ("TRL fp32", "trl", "fp32", [], {}),
+    ("posttrain fp32", "posttrain", "fp32", [], {}),
+    ("posttrain fp32, not deterministic", "posttrain", "fp32", [], {"POSTTRAIN_DETERMINISTIC": "0"}),
+    ("TRL bf16", "trl", "bf16", [], {}),
+    ("posttrain bf16", "posttrain", "bf16", [], {}),
+    ("TRL fp32, continuous batching", "trl", "fp32", ["--batching"], {}),
+]
+
+
+def device_rates() -> dict:
+    """The GPU's own ceilings, measured here: copy bandwidth (bytes read and written a second) and dense matmul
+    rates in fp32 (TF32 as torch leaves it: off) and bf16."""
+    import torch
+
+    def best(f, reps: int = 5) -> float:
+        f()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    x = torch.empty(2**28, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    rates = {"copy_gb_per_s": 2 * x.numel() * 4 / best(lambda: y.copy_(x)) / 1e9}
+    del x, y
+    n = 8192
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+        rates[f"matmul_tflops_{name}"] = 2 * n**3 / best(lambda: a @ b) / 1e12
+    return rates
+
+
+def gpu_floor(shape: Shape, rates: dict, precision: str) -> dict:
+    """Lower bounds on one step of the workload at this GPU's measured rates: generation reads every
+    weight once a decoding step and does its matrix work (the larger of the two each step, plus the
+    prefill), the update does forward and backward's matrix work; attention, sampling and the optimizer
+    count as free."""
+    flop = step_gflop(shape)
+    h, L = shape.hidden, shape.layers
+    params = L * sum(k * n for group in layer_linears(shape) for k, n in group) + h * shape.vocab
+    width = 2 if precision == "bf16" else 4
+    rate = rates[f"matmul_tflops_{precision}"] * 1e12
+    per_step = max(params * width / (rates["copy_gb_per_s"] * 1e9), 2 * params * shape.batch / rate)
+    prefill = 2 * params * shape.prompts * shape.prompt_tokens / rate
+    generation = prefill + shape.new_tokens * per_step
+    return {"generation_seconds": generation, "generation_tokens_per_second": shape.batch * shape.new_tokens / generation,
+            "update_seconds": flop["training"] * 1e9 / rate, "step_seconds": generation + flop["training"] * 1e9 / rate}
+
+
+def gpu_session(tool: str, precision: str, args: list[str], env: dict, shape: str = GPU_SHAPE) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.bench_ref", "--tool", tool, "--shape", shape,
+                          "--precision", precision, *args], capture_output=True, text=True,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, timeout=1800)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if out.returncode != 0 or line is None:
+        return {"error": f"rc {out.returncode}: {out.stderr[-1500:]}"}
+    return {k: v for k, v in json.loads(line[6:]).items() if k != "raw"}
+
+
+def gpu_side_by_side(shape: str = GPU_SHAPE, sessions=None) -> dict:
+    """posttrain against TRL on one GPU, each session its own process (see GPU_SESSIONS), with the
+    floors at this GPU's measured rates beside them. A session that fails is reported, not fatal."""
+    import torch
+
+    rates = device_rates() if torch.cuda.is_available() else None
+    rows = {}
+    for label, tool, precision, args, env in sessions or GPU_SESSIONS:
+        r = rows[label] = gpu_session(tool, precision, args, env, shape)
+        if "error" in r:
+            print(f"  {label:<36} failed: {r['error'][-300:]}", flush=True)
+            continue
+        r["precision"] = precision
+        print(f"  {label:<36} step {r['step']:.3f}s  generation {r['gen_tokens_per_second']:,.0f} tok/s  "
+              f"update {r['update']:.3f}s  sync {r.get('sync', 0.0):.4f}s  peak GPU "
+              f"{(r.get('peak_gpu_mib') or 0):,.0f} MiB  ({r['decoder']})", flush=True)
+    for label, r in rows.items():  # against TRL at the same precision, as it ships
+        trl = rows.get(f"TRL {r.get('precision')}")
+        if "error" not in r and trl and "error" not in trl:
+            r["vs_trl"] = {"step": r["step"] / trl["step"], "update": r["update"] / trl["update"],
+                           "generation_tokens_per_second": r["gen_tokens_per_second"] / trl["gen_tokens_per_second"]}
+    floors = {p: gpu_floor(SHAPES[shape], rates, p) for p in ("fp32", "bf16")} if rates else None
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu(), "shape": shape,
+            "rates": rates, "floors": floors, "rows": rows}
+
+
 # the parts `--only` runs alone: (the line printed before it, the part)
 ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
         "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo()),
         "lora": ("LoRA against full fine-tuning (smollm2-135m GRPO rounds, each its own process):",
                  lambda: lora_against_full()),
-        "decode": ("the in-process decoders on SmolLM2-135M (GPU when there is one):", lambda: decode_engines())}
+        "decode": ("the in-process decoders on SmolLM2-135M (GPU when there is one):", lambda: decode_engines()),
+        "gpu": ("GRPO on one GPU, posttrain against TRL (SmolLM2-135M, 16 prompts x 8 samples x 128 tokens):",
+                lambda: gpu_side_by_side())}
 
 
 def main() -> None:
@@ -576,6 +682,15 @@ def main() -> None:
         Path("bench-results").mkdir(exist_ok=True)
         Path(path).write_text(json.dumps(out, indent=2))
         report(out, path)
+        return
+    if torch.cuda.is_available():  # on a GPU: the GPU's own table and the decoders (issue 43)
+        for part in ("gpu", "decode"):
+            title, run = ONLY[part]
+            print(title, flush=True)
+            out[part] = run()
+        Path("bench-results").mkdir(exist_ok=True)
+        Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
+        report(out)
         return
     shapes = ["ref", "ref-kl"] + ([] if a.quick else ["large", "smollm2"])
     print("GRPO sessions (TRL and posttrain alternating):", flush=True)
@@ -668,6 +783,28 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
             name = mode if mode.startswith("full") else f"rank {mode}"
             print(f"  {name:<10}{r['trainable_params']:>13,}{r['update_seconds']:>10.3f}{r['update_vs_full']:>9.2f}"
                   f"{r['generate_seconds']:>14.3f}{r['peak_rss_mib']:>14,.0f}{r['peak_rss_vs_full']:>9.2f}")
+    if "gpu" in out:
+        g = out["gpu"]
+        s = SHAPES[g["shape"]]
+        print(f"GRPO on {g['device']}, {g['shape']}: {s.prompts} prompts x {s.samples} samples x {s.new_tokens} "
+              f"tokens, {s.steps} steps measured after {s.warmup} (medians; ratios against TRL at the same precision)")
+        print(f"  {'':<36}{'step s':>8}{'x TRL':>7}{'gen tok/s':>11}{'x TRL':>7}{'update s':>10}{'x TRL':>7}"
+              f"{'sync s':>8}{'peak GPU MiB':>14}")
+        for label, r in g["rows"].items():
+            if "error" in r:
+                print(f"  {label:<36} failed (see bench.json)")
+                continue
+            v = r.get("vs_trl", {})
+            print(f"  {label:<36}{r['step']:>8.3f}{v.get('step', 1.0):>7.2f}{r['gen_tokens_per_second']:>11,.0f}"
+                  f"{v.get('generation_tokens_per_second', 1.0):>7.2f}{r['update']:>10.3f}{v.get('update', 1.0):>7.2f}"
+                  f"{r.get('sync', 0.0):>8.4f}{(r.get('peak_gpu_mib') or 0):>14,.0f}")
+        if g["floors"]:
+            ra = g["rates"]
+            print(f"  floor at this GPU's measured rates (copy {ra['copy_gb_per_s']:,.0f} GB/s, matmul fp32 "
+                  f"{ra['matmul_tflops_fp32']:.0f} / bf16 {ra['matmul_tflops_bf16']:.0f} TFLOP/s):")
+            for p, f in g["floors"].items():
+                print(f"  {'floor ' + p:<36}{f['step_seconds']:>8.3f}{'':>7}{f['generation_tokens_per_second']:>11,.0f}"
+                      f"{'':>7}{f['update_seconds']:>10.3f}")
     if "decode" in out:
         d = out["decode"]
         print(f"in-process decoders on {d['device']}, SmolLM2-135M, {d['rows_decoded']} rows x {d['new_tokens']} tokens:")
