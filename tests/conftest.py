@@ -18,6 +18,13 @@ from pathlib import Path
 import pytest
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
+# removed when this process exits (after the session's server has stopped): each pytest process's
+# stores, caches and runs take about half a GiB, and every `make test` would otherwise leave two or
+# three of them behind. POSTTRAIN_KEEP_TEST_DIR=1 keeps it to look into.
+if os.environ.get("POSTTRAIN_KEEP_TEST_DIR", "0") != "1":
+    import atexit
+
+    atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "true"  # for the tests that unset PREFECT_API_URL
