@@ -21,7 +21,8 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
 # removed when this process exits (after the session's server has stopped): each pytest process's
 # stores, caches and runs take about half a GiB, and every `make test` would otherwise leave two or
 # three of them behind. POSTTRAIN_KEEP_TEST_DIR=1 keeps it to look into.
-if os.environ.get("POSTTRAIN_KEEP_TEST_DIR", "0") != "1":
+_KEEP_SESSION_DIR = os.environ.get("POSTTRAIN_KEEP_TEST_DIR", "0") == "1"
+if not _KEEP_SESSION_DIR:
     import atexit
 
     atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
@@ -87,6 +88,8 @@ def _prefect_server():
     _PREFECT_SERVER.wait_healthy(120)
     yield _PREFECT_SERVER
     _PREFECT_SERVER.stop()
+    if not _KEEP_SESSION_DIR:  # also here: an xdist worker can end without running atexit
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
