@@ -201,7 +201,9 @@ def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = 
 def posttrain_config(shape: Shape, precision: str = "fp32"):
     from trainer.config import load_config
 
+    # the real model's shapes run as the smollm2-135m preset does: one rank, ZeRO stage 0 (its config)
     return load_config("tiny", [f"grpo.deepspeed.precision={precision}",
+                                f"grpo.deepspeed.zero_stage={0 if shape.pretrained else 1}",
         f"grpo.rounds={shape.steps + shape.warmup}", "grpo.lr=1e-5", "grpo.warmup_rounds=0", "grpo.clip_low=0.2",
         "grpo.clip_high=0.2", "grpo.grad_clip=1.0", f"grpo.kl_coef={shape.kl}", "grpo.entropy_coef=0",
         "grpo.mini_batches=1", "grpo.epochs=1", f"grpo.micro_batch_size={shape.batch}", "grpo.eval_every=100000",

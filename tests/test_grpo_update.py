@@ -102,6 +102,28 @@ def test_optimizer_steps_land_at_mini_batch_ends_whatever_the_group_count(tiny_t
     assert trainer.ds.global_steps == 2 * len(GROUP_COUNTS)
 
 
+def test_zero_stage_0_clips_and_reports_the_gradient_norm_as_stage_1_does(tiny_tokenizer, tmp_path):
+    """At ZeRO stage 0 in fp32 DeepSpeed clips without keeping the norm, so posttrain clips there
+    itself (trainer.engine.step): the same norm before clipping and the same clipped step as stage 1's,
+    round after round, with the clip active (grad_clip far under the norm), for the policy and a critic."""
+    common = ["grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3", "grpo.grad_clip=0.05",
+              "grpo.advantage=gae", "grpo.critic.lr=1e-3", "grpo.critic.warmup_rounds=0"]
+    runs = {}
+    for stage in (1, 0):
+        cfg = make_cfg(*common, f"grpo.deepspeed.zero_stage={stage}")
+        trainer = make_trainer(cfg, tiny_tokenizer, tmp_path / str(stage))
+        stats = [trainer.publish(trainer.update(make_batch(r, g, 4, len(tiny_tokenizer), seed=r)))
+                 for r, g in enumerate(GROUP_COUNTS[:3], start=1)]
+        runs[stage] = stats, {n: p.detach().clone() for n, p in trainer.ds.module.named_parameters()}
+    (s1, w1), (s0, w0) = runs[1], runs[0]
+    for a, b in zip(s1, s0):
+        for key in ("update/grad_norm", "critic/grad_norm"):
+            assert math.isfinite(b[key]) and b[key] > 0.05, (key, b[key])  # the clip was active
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
+    for n, p in w1.items():
+        assert torch.allclose(w0[n], p, rtol=1e-4, atol=1e-6), n
+
+
 def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenizer, tmp_path):
     cfg = make_cfg("grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3", "grpo.epochs=2")
     vocab = len(tiny_tokenizer)

@@ -66,13 +66,16 @@ def test_torn_checkpoint_is_skipped(small_run, tiny_tokenizer, tmp_path, caplog)
     assert "no COMMITTED marker" in caplog.text
 
 
-def test_loss_is_one_per_token_mean_over_the_global_batch(tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("zero_stage", [1, 0])
+def test_loss_is_one_per_token_mean_over_the_global_batch(tiny_tokenizer, tmp_path, zero_stage):
     """A micro-batch of a short answer and one of a long answer: the step's loss (and gradient)
-    is the mean over all their target tokens, not the mean of the two micro-batch means."""
+    is the mean over all their target tokens, not the mean of the two micro-batch means. At ZeRO
+    stage 0 (fp32) the gradient norm is ours (DeepSpeed keeps none there): the same number."""
     from trainer.sft import collate, encode_dataset
 
     cfg = load_config("tiny", ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-                               "sft.micro_batch_size=1", "sft.grad_accum=2", "sft.max_steps=1", "sft.log_every=1"])
+                               "sft.micro_batch_size=1", "sft.grad_accum=2", "sft.max_steps=1", "sft.log_every=1",
+                               f"sft.deepspeed.zero_stage={zero_stage}"])
     rows = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 40, "n_test": 2, "worked_fraction": 0.5}), 0).train
     encoded, _ = encode_dataset(tiny_tokenizer, rows, cfg.sft.max_length)
     lengths = [sum(e.loss_mask) for e in encoded]

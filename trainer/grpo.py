@@ -283,7 +283,7 @@ class GRPOTrainer:
                         # DeepSpeed divides by its accumulation steps and averages over ranks; we
                         # normalised by the whole mini-batch.
                         self.ds.backward(loss * n_micro * world)
-                        self.ds.step()
+                        ds.step(self.ds)
                         sums["loss"] += float(loss.detach())
                         for name, values in report.items():
                             sums[name] += weight * float((values * mask).sum())
@@ -291,17 +291,15 @@ class GRPOTrainer:
                         self.critic.set_gradient_accumulation_boundary(k == n_micro - 1)
                         closs, report, mask = self._critic_loss(packed, use, old_values, returns, norm)
                         self.critic.backward(closs * weight * n_micro * world)
-                        self.critic.step()
+                        ds.step(self.critic)
                         for name, values in report.items():
                             sums[name] += weight * float((values * mask).sum())
                     tokens += weight * float(packed.mask[torch.tensor(use)].sum())
                 if train_policy:
-                    gn = self.ds.get_global_grad_norm()
-                    grad_norms.append(float(gn) if gn is not None else float("nan"))
+                    grad_norms.append(ds.grad_norm(self.ds))
                     steps += 1
                 if self.critic is not None:
-                    gn = self.critic.get_global_grad_norm()
-                    critic_norms.append(float(gn) if gn is not None else float("nan"))
+                    critic_norms.append(ds.grad_norm(self.critic))
         keys = list(sums)
         *totals, tokens = ds.sum_across_ranks([sums[k] for k in keys] + [tokens])
         sums = dict(zip(keys, totals))

@@ -267,7 +267,7 @@ def train_sft(
                 loss = masked_lm_loss(out.logits, batch["input_ids"], batch["loss_mask"], n_tokens)
                 # DeepSpeed divides by its accumulation steps and averages over ranks
                 engine.backward(loss * s.grad_accum * world)
-                engine.step()
+                ds.step(engine)
                 losses.append(loss.item())
                 tok_t0 += sum(len(e.input_ids) for e in examples) * world
             step += 1
@@ -275,11 +275,10 @@ def train_sft(
             bar.update(1, loss=loss_value)
             if step % s.log_every == 0 or step == total:
                 elapsed = time.perf_counter() - t0
-                grad_norm = engine.get_global_grad_norm()
                 logger.log_metrics({
                     "train/loss": loss_value,
                     "train/lr": engine.get_lr()[0],
-                    "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "train/grad_norm": ds.grad_norm(engine),
                     "train/tokens_per_second": tok_t0 / max(elapsed, 1e-9),
                     "train/epoch": epoch + pos / len(order),
                 }, step=step)
