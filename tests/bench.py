@@ -655,6 +655,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the reference shapes only, no pipeline run")
     ap.add_argument("--only", choices=sorted(ONLY), help="one part alone")
+    ap.add_argument("--gpu-sessions", help="on a GPU, these of GPU_SESSIONS' labels only (separated by ';')")
     ap.add_argument("--ppo-session", choices=["group", "gae"], help=argparse.SUPPRESS)
     ap.add_argument("--lora-session", choices=LORA_MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -668,6 +669,12 @@ def main() -> None:
 
     from trainer import kernels
 
+    if a.gpu_sessions:
+        wanted = [x.strip() for x in a.gpu_sessions.split(";")]
+        unknown = set(wanted) - {row[0] for row in GPU_SESSIONS}
+        if unknown:
+            ap.error(f"--gpu-sessions: no session named {sorted(unknown)}; the sessions: {[r[0] for r in GPU_SESSIONS]}")
+        GPU_SESSIONS[:] = [row for row in GPU_SESSIONS if row[0] in wanted]
     # which compiled variant the posttrain sessions run (POSTTRAIN_KERNELS_ISA picks a narrower one)
     out: dict = {"machine": {"cpu": _cpu(), "threads": 2, "kernels": kernels.variant(),
                              "torch_isa": torch.backends.cpu.get_cpu_capability()}}

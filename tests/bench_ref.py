@@ -198,7 +198,7 @@ def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = 
 
 # ---------------------------------------------------------------- posttrain
 
-def posttrain_config(shape: Shape, precision: str = "fp32"):
+def posttrain_config(shape: Shape, precision: str = "fp32", extra: tuple[str, ...] = ()):
     from trainer.config import load_config
 
     # the real model's shapes run as the smollm2-135m preset does: one rank, ZeRO stage 0 (its config)
@@ -212,7 +212,7 @@ def posttrain_config(shape: Shape, precision: str = "fp32"):
         f"rollout.prompts_per_round={shape.prompts}", f"rollout.n_samples_per_prompt={shape.samples}",
         "rollout.over_sample=1.0", "rollout.dynamic_filter=none", f"rollout.max_response_tokens={shape.new_tokens}",
         f"rollout.min_response_tokens={shape.new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        f"rollout.batch_size={shape.batch}", "seed=42",
+        f"rollout.batch_size={shape.batch}", "seed=42", *extra,
     ])
 
 

@@ -4,10 +4,13 @@
 # GPU host after `. .gpu/host.sh` has joined the model (docs/gpu.md); logs under $OUT (or ./gpu-out).
 #   1. the CUDA-only tests of the fixed-shape decoder (capture, replay, deterministic mode, moved
 #      weights); SKIP_TESTS=1 when an earlier call of the lease ran them
-#   2. `make bench` on a GPU (python -m tests.bench): posttrain against TRL, fp32 and bf16, with the
-#      floors, then HF generate against the fixed-shape decoder
-#   3. the smollm2-135m preset through the real CLI (Prefect, MLflow on SQLite), as shipped, then
-#      with POSTTRAIN_DETERMINISTIC=0
+#   2. where the time goes: python -m tests.gpu_profile (the decoder's step fused and not, fp32 and
+#      bf16; the update's phases at ZeRO stage 0 and 1)
+#   3. `make bench` on a GPU (python -m tests.bench): posttrain against TRL, fp32 and bf16, with the
+#      floors, then HF generate against the fixed-shape decoder (TRL's continuous batching only with
+#      BENCH_ALL=1: it ran at a third of plain generate's speed, docs/gpu.md)
+#   4. the smollm2-135m preset through the real CLI (Prefect, MLflow on SQLite), as shipped; then with
+#      POSTTRAIN_DETERMINISTIC=0 where NONDET=1
 set -u
 O=${OUT:-gpu-out}
 mkdir -p "$O"
@@ -27,9 +30,12 @@ python3 -c "import os; from trainer.model import resolve_pretrained; print(resol
 [ "${SKIP_TESTS:-0}" = 1 ] ||
   step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py -k "graph or weights_that_move"
 wait
-step 480 bench.txt python3 -m tests.bench
+step 150 profile.txt python3 -m tests.gpu_profile
+SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16"
+[ "${BENCH_ALL:-0}" = 1 ] && SESSIONS="$SESSIONS;TRL fp32, continuous batching"
+step 330 bench.txt python3 -m tests.bench --gpu-sessions "$SESSIONS"
 cp bench-results/bench.json "$O/" 2>/dev/null
-step 240 speedrun.txt python3 -m flows.cli speedrun --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF"
-POSTTRAIN_DETERMINISTIC=0 step 240 speedrun-nondet.txt python3 -m flows.cli speedrun --preset smollm2-135m \
-  --set "model.pretrained=$POSTTRAIN_GGUF" --recompute grpo
+step 200 speedrun.txt python3 -m flows.cli speedrun --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF"
+[ "${NONDET:-0}" = 1 ] && POSTTRAIN_DETERMINISTIC=0 step 200 speedrun-nondet.txt python3 -m flows.cli speedrun \
+  --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF" --recompute grpo
 echo "all steps ran: $SECONDS s" >>"$O/env.txt"

@@ -62,6 +62,28 @@ def test_greedy_tokens_are_hf_generates_and_logprobs_the_trainers(char_tok, kind
     assert n > 50 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_products_decode_as_the_separate_ones_and_follow_in_place_updates(char_tok, kind):
+    """q, k, v as one product and gate, up as another come from buffers the decoder refills at every
+    call (graphs keep their storage): an optimizer's in-place step between two calls reaches the
+    second, and the fused step gives the unfused one's tokens (log-probs within float rounding)."""
+    model = _model(kind, char_tok)
+    prompts, eos, pad = _prompts(char_tok, 6), char_tok.eos_token_id, char_tok.pad_token_id
+    fused, plain = StaticDecoder(model, graphs=False), StaticDecoder(model, graphs=False)
+    plain.fuse = False
+    first = None
+    for _ in range(2):
+        (ft, fl), (pt, pl) = fused.decode(prompts, 24, eos, pad), plain.decode(prompts, 24, eos, pad)
+        first = first or [t.data_ptr() for t in fused.fused[0] if t is not None]
+        assert ft == pt == _hf_greedy(model, char_tok, prompts, 24)
+        assert max(abs(a - b) for x, y in zip(fl, pl) for a, b in zip(x, y)) < 1e-5
+        with torch.no_grad():  # in place, as AdamW steps: the storage stays, the values change
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.bias", "up_proj.weight")):
+                    p.mul_(-1.5)
+    assert [t.data_ptr() for t in fused.fused[0] if t is not None] == first  # refilled, not reallocated
+
+
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_sampled_groups_share_a_prefill_and_their_logprobs_are_the_trainers(char_tok, temperature, top_p):
     model = _model("qwen2", char_tok)

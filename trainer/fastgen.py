@@ -111,6 +111,15 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`_rms` in fewer kernels for the GPU's decoding step: torch's fused RMSNorm on the float32
+    values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
+    kernel's own order, which may differ from `pow().mean()` in the last bit of float32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """cat(-sin1, sin2) over the last dimension: rotate-half's sign folded into the sine (see `_rotate`)."""
     half = sin.shape[-1] // 2
@@ -458,6 +467,9 @@ class StaticDecoder(FastDecoder):
         if self.use_graphs and not on_cuda:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
+        self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
+        self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
+        self._fused_shape: tuple | None = None
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
         self.pool = None
@@ -473,12 +485,37 @@ class StaticDecoder(FastDecoder):
     def model(self, model: torch.nn.Module) -> None:
         self._model = weakref.ref(model)
 
+    def _refresh_fused(self) -> None:
+        """Each layer's q, k and v projections as one [(heads + 2 kv_heads) * hd, H] matrix (and bias),
+        gate and up as one [2 I, H]: one product each instead of three and two (on a GPU a decoding
+        step is a few hundred small kernels, and each is time). They are buffers of the decoder's own,
+        allocated once and refilled from the policy's weights at every call (a device-to-device copy
+        of about two thirds of them), so the captured graphs keep reading the same storage and the
+        call decodes with the weights as they were when it began."""
+        shape_of = lambda L: (L.wq.dtype, L.wq.device, L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wg.shape[0])
+        if not self.fused or shape_of(self.layers[0]) != self._fused_shape:
+            self.fused = []
+            for L in self.layers:
+                wqkv = torch.empty(L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wq.shape[1], dtype=L.wq.dtype,
+                                   device=L.wq.device)
+                bqkv = torch.empty(wqkv.shape[0], dtype=L.bq.dtype, device=L.bq.device) if L.bq is not None else None
+                wgu = torch.empty(2 * L.wg.shape[0], L.wg.shape[1], dtype=L.wg.dtype, device=L.wg.device)
+                self.fused.append((wqkv, bqkv, wgu))
+            self._fused_shape = shape_of(self.layers[0])
+        for L, (wqkv, bqkv, wgu) in zip(self.layers, self.fused):
+            torch.cat([L.wq, L.wk, L.wv], out=wqkv)
+            if bqkv is not None:
+                torch.cat([L.bq, L.bk, L.bv], out=bqkv)
+            torch.cat([L.wg, L.wu], out=wgu)
+
     def _weight_pointers(self) -> tuple[int, ...]:
         ts = [self.embed, self.head, self.norm[0], self.cos, self.sin]
         for L in self.layers:
-            ts += [L.ln1[0], L.ln2[0], L.wq, L.wk, L.wv, L.wo, L.wg, L.wu, L.wd]
+            ts += [L.ln1[0], L.ln2[0], L.wo, L.wd] + ([] if self.fuse else [L.wq, L.wk, L.wv, L.wg, L.wu])
             ts += [t for t in (L.bq, L.bk, L.bv, L.bo) if t is not None]
             ts += [n[0] for n in (L.qn, L.kn) if n is not None]
+        if self.fuse:
+            ts += [t for layer in self.fused for t in layer if t is not None]
         return tuple(t.data_ptr() for t in ts)
 
     def _fixed(self, rows: int, width: int) -> _Fixed:
@@ -545,9 +582,10 @@ class StaticDecoder(FastDecoder):
         # writes the same values with an elementwise op (one more pass over the cache). `_capture`
         # captures with the mode off, so graphs keep index_copy_.
         sel = (torch.arange(width, device=h.device) == st.col) if self._masked_writes(h.device) else None
-        for L, (kc, vc) in zip(self.layers, st.caches):
-            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel)
-        return _linear(_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
+        fused = self.fused if self.fuse else [None] * len(self.layers)
+        for L, (kc, vc), fz in zip(self.layers, st.caches, fused):
+            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel, fz)
+        return _linear(_fast_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
 
     def _masked_writes(self, device: torch.device) -> bool:
         if self.masked_writes is not None:
@@ -556,13 +594,14 @@ class StaticDecoder(FastDecoder):
 
     def _fixed_block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
                      vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor,
-                     sel: torch.Tensor | None = None) -> torch.Tensor:
+                     sel: torch.Tensor | None = None, fused=None) -> torch.Tensor:
         """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
         its keys and values written at the cache column `col` holds (or `sel`, that column's one-hot
-        over the width, marks), attending the cache's whole width."""
+        over the width, marks), attending the cache's whole width; `fused` (`_refresh_fused`'s
+        buffers of this layer) makes q, k, v one product and gate, up another."""
         B = h.shape[0]
         nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
-        q, k, v = self._qkv(L, h, cos, sin)
+        q, k, v = self._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
         k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [B, kv, hd, 1], [B, kv, 1, hd]
         if sel is None:
             kc.index_copy_(3, col, k)
@@ -573,7 +612,25 @@ class StaticDecoder(FastDecoder):
         scores = torch.baddbmm(mask, q.reshape(B * nkv, self.groups, hd), kc.view(B * nkv, hd, width),
                                alpha=self.scaling)
         o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
-        return self._out_mlp(L, h, o.view(B, 1, self.heads * hd))
+        o = o.view(B, 1, self.heads * hd)
+        if fused is None:
+            return self._out_mlp(L, h, o)
+        h = h + F.linear(o, L.wo, L.bo)
+        gate, up = F.linear(_fast_rms(h, *L.ln2), fused[2]).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, L.wd)
+
+    def _qkv_fused(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_qkv` with the three projections as one product (`_refresh_fused`)."""
+        B, S, _ = h.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(_fast_rms(h, *L.ln1), fused[0], fused[1])
+        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk, v = qk.view(B, S, nh + nkv, hd), v.view(B, S, nkv, hd)
+        if L.qn is not None:
+            qk = torch.cat([_fast_rms(qk[:, :, :nh], *L.qn), _fast_rms(qk[:, :, nh:], *L.kn)], dim=2)
+        qk = _rotate(qk, cos, sin)
+        return qk[:, :, :nh], qk[:, :, nh:], v
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
@@ -584,6 +641,8 @@ class StaticDecoder(FastDecoder):
         which `stop` is true, both kept, or at max_new) and their log-probs under softmax(logits / T)."""
         self._pack()
         self.kernel = None  # torch ops: the compiled kernels are CPU code
+        if self.fuse:
+            self._refresh_fused()
         if self.use_graphs:
             pointers = self._weight_pointers()
             if pointers != self.weights_at_capture:

@@ -1,0 +1,211 @@
+"""Where a GPU's time goes in posttrain's two hot loops (issue 43), for a lease's measurement script
+(`tests/gpu_session.sh`); CUDA only. Run from the project root: `python -m tests.gpu_profile`.
+
+1. The fixed-shape decoder on `bench_ref`'s smollm2-gpu workload (SmolLM2-135M, 16 prompts x 8
+   samples x 128 new tokens, T = 1), fp32 and bf16, with q/k/v and gate/up as fused products and
+   without: tokens/s of a whole call, the captured step's replay alone (so the host's per-step work
+   is the difference), and the kernels of one replayed step from torch.profiler.
+2. The GRPO update on the same workload, fp32 and bf16, at ZeRO stage 0 and 1: each phase of a round
+   (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
+   synchronised around it, and the operators that take the device's time.
+
+Prints a table at the end; the JSON goes to $OUT/profile.json (or gpu-out/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync_time(f):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, r
+
+
+def _top_kernels(prof, n: int = 12) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.key and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset", "ProfilerStep")):
+            rows.append({"kernel": e.key[:90], "calls": e.count, "us": t})
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:n]
+
+
+def _top_ops(prof, n: int = 15) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t and e.key.startswith("aten::"):
+            rows.append({"op": e.key, "calls": e.count, "self_device_us": t, "cpu_us": e.cpu_time_total})
+    rows.sort(key=lambda r: -r["self_device_us"])
+    return rows[:n]
+
+
+def decode_profile() -> dict:
+    import trainer.generate as G
+    from tests.bench_ref import SHAPES, pretrained_folder, problems
+    from trainer.chat import encode_prompt
+    from trainer.engine import deterministic
+    from trainer.fastgen import StaticDecoder
+    from trainer.model import load_model
+    from trainer.tokenizer import load_tokenizer
+
+    deterministic()
+    shape = SHAPES["smollm2-gpu"]
+    folder = pretrained_folder(shape)
+    tok = load_tokenizer(folder)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": p["question"]}])
+               for p in problems(shape.prompts) for _ in range(shape.samples)]
+    new = shape.new_tokens
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model = load_model(folder, dtype).to("cuda").eval()
+        for fuse in (False, True):
+            dec = StaticDecoder(model, graphs=True)
+            dec.fuse = fuse
+            chosen = G.decoder_for
+            G.decoder_for = lambda _m, _d=dec: _d
+            try:
+                times = []
+                for rep in range(4):
+                    t, gens = _sync_time(lambda: G.generate(model, tok, prompts, new, temperature=1.0, seed=rep,
+                                                            min_new_tokens=new, batch_size=len(prompts)))
+                    times.append(t)
+            finally:
+                G.decoder_for = chosen
+            n = sum(len(g.token_ids) for g in gens)
+            (st,) = dec.shapes.values()
+            row = {"tokens_per_second": n / statistics.median(times[1:]), "call_seconds": statistics.median(times[1:]),
+                   "first_call_seconds": times[0], "graphs": st.graph is not None}
+            if st.graph is not None:
+                reps = 200
+                t, _ = _sync_time(lambda: [st.graph.replay() for _ in range(reps)])
+                row["replay_ms"] = 1e3 * t / reps
+                row["step_ms"] = 1e3 * row["call_seconds"] / new
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(8):
+                        st.graph.replay()
+                    torch.cuda.synchronize()
+                kernels = _top_kernels(prof, 14)
+                row["kernels_per_step"] = sum(e.count for e in prof.key_averages()
+                                              if (getattr(e, "device_time_total", 0) or 0) > 0
+                                              and not e.key.startswith(("aten::", "cuda"))) / 8
+                row["top_kernels"] = kernels
+            label = f"{'fp32' if dtype == 'float32' else 'bf16'} {'fused' if fuse else 'unfused'}"
+            out[label] = row
+            print(f"decode {label:<14} {row['tokens_per_second']:>9,.0f} tok/s  call {row['call_seconds']:.3f}s  "
+                  f"step {row.get('step_ms', 0):.2f} ms  replay {row.get('replay_ms', 0):.2f} ms  "
+                  f"kernels/step {row.get('kernels_per_step', 0):.0f}", flush=True)
+            del dec
+        del model
+        torch.cuda.empty_cache()
+    return out
+
+
+def update_profile(precision: str, stage: int, shape_name: str = "smollm2-gpu") -> dict:
+    from tests.bench_ref import SHAPES, model, posttrain_config, problems, tokenizer
+    from trainer import engine as ds
+    from trainer.grpo import GRPOTrainer
+
+    shape = SHAPES[shape_name]
+    work = Path(tempfile.mkdtemp())
+    tok = tokenizer(work / "tok", shape)
+    policy = model(shape, tok)
+    rows = problems(shape.prompts * 4)
+    train = [{"id": r["id"], "answer": r["answer"],
+              "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": ""}]}
+             for r in rows]
+    cfg = posttrain_config(shape, precision, (f"grpo.deepspeed.zero_stage={stage}", "grpo.rounds=4"))
+    trainer = GRPOTrainer(cfg, policy, tok, train, train[:8], work / "grpo")
+    phases = {"forward+loss": 0.0, "backward": 0.0, "optimizer step": 0.0}
+    timing = {"on": False}
+
+    def timed(name, f):
+        def run(*a, **k):
+            if not timing["on"]:
+                return f(*a, **k)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = f(*a, **k)
+            torch.cuda.synchronize()
+            phases[name] += time.perf_counter() - t0
+            return r
+        return run
+
+    trainer._micro_loss = timed("forward+loss", trainer._micro_loss)
+    trainer.ds.backward = timed("backward", trainer.ds.backward)
+    trainer.ds.step = timed("optimizer step", trainer.ds.step)
+    updates, prof_rows = [], None
+    torch.manual_seed(42)
+    r = 0
+    while not trainer.done():
+        batch = trainer.score(trainer.rollout())
+        r += 1
+        timing["on"] = r >= 2
+        if r == 4:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                stats = trainer.update(batch)
+                torch.cuda.synchronize()
+            prof_rows = _top_ops(prof)
+        else:
+            stats = trainer.update(batch)
+        trainer.publish(stats)
+        if r >= 2:
+            updates.append(stats["time/update_seconds"])
+    n = len(updates)
+    out = {"update_seconds": statistics.median(updates),
+           "phases_seconds": {k: v / n for k, v in phases.items()},
+           "optimizer": type(trainer.ds.optimizer).__name__, "top_ops": prof_rows,
+           "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20}
+    print(f"update {precision} ZeRO-{stage}: {out['update_seconds']:.3f}s  " + "  ".join(
+        f"{k} {v:.3f}s" for k, v in out["phases_seconds"].items()) + f"  ({out['optimizer']})", flush=True)
+    return out
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("tests.gpu_profile measures a CUDA device; this machine has none")
+    which = sys.argv[1:] or ["decode", "update"]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    path = Path(os.environ.get("OUT", "gpu-out")) / "profile.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if "decode" in which:
+        res["decode"] = decode_profile()
+        path.write_text(json.dumps(res, indent=1))
+    if "update" in which:
+        res["update"] = {}
+        for precision, stage in (("bf16", 0), ("bf16", 1), ("fp32", 0), ("fp32", 1)):
+            try:
+                res["update"][f"{precision} ZeRO-{stage}"] = update_profile(precision, stage)
+            except Exception as e:  # one failing setting leaves the others their turn
+                res["update"][f"{precision} ZeRO-{stage}"] = {"error": repr(e)[-800:]}
+                print(f"update {precision} ZeRO-{stage} failed: {e!r}"[-800:], flush=True)
+            path.write_text(json.dumps(res, indent=1))
+            torch.cuda.empty_cache()
+    for label, row in res.get("decode", {}).items():
+        print(f"\n{label}: top kernels of one replayed step (us over 8 steps)")
+        for k in row.get("top_kernels", [])[:10]:
+            print(f"  {k['us']:>9.0f}  {k['calls']:>5}  {k['kernel']}")
+    for label, row in res.get("update", {}).items():
+        print(f"\nupdate {label}: top ops by device time (us)")
+        for k in (row.get("top_ops") or [])[:10]:
+            print(f"  {k['self_device_us']:>9.0f}  {k['calls']:>5}  {k['op']}  (cpu {k['cpu_us']:.0f})")
+
+
+if __name__ == "__main__":
+    main()
