@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.rl.sglang import PINS_DIR, env_dir
+from trainer.inference.sglang import PINS_DIR, env_dir
 
 COMPLETE = ".complete"
 # what the servers import first: fails the build here rather than at the first launch

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def launch_sglang(cfg, sft: dict):
     """SGLang servers on the SFT policy (or connections to rollout.sglang.urls), healthy."""
-    from trainer.rl.sglang import SGLangEngine
+    from trainer.inference.sglang import SGLangEngine
     from trainer.tokenizer import load_tokenizer
 
     path = model_dir(sft)

@@ -100,7 +100,7 @@ def plan_sft(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], p
 
 def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
     from trainer.rl.orchestrator import groups_per_chunk, groups_per_round
-    from trainer.rl.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
+    from trainer.inference.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
 
     lines = _how("grpo", cfg.grpo.deepspeed, folder) + _lora(cfg, True)
     g = cfg.grpo

@@ -494,10 +494,11 @@ def decode_engines() -> dict:
     """Part 8: generated tokens/s of each in-process decoder on the same prompts (see the docstring)."""
     import torch
 
-    import trainer.generate as G
+    import trainer.inference.generate as G
     from tests.bench_ref import pretrained_folder, problems
     from trainer.chat import encode_prompt
-    from trainer.fastgen import FastDecoder, StaticDecoder
+    from trainer.inference.cpu import FastDecoder
+    from trainer.inference.cuda import StaticDecoder
     from trainer.model import load_model
     from trainer.tokenizer import load_tokenizer
 

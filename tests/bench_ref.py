@@ -241,7 +241,7 @@ def run_posttrain(shape: Shape, work: Path, precision: str = "fp32") -> dict:
         out["sync"].append(stats.get("time/sync_seconds", 0.0))
         out["tokens"].append(stats["rollout/generated_tokens"])
     from trainer import kernels
-    from trainer.generate import decoder_for
+    from trainer.inference.generate import decoder_for
 
     if torch.cuda.is_available():
         dec = decoder_for(policy)  # the engine's module is the policy: its decoder, kept since the first round

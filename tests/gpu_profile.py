@@ -53,11 +53,11 @@ def _top_ops(prof, n: int = 15) -> list[dict]:
 
 
 def decode_profile() -> dict:
-    import trainer.generate as G
+    import trainer.inference.generate as G
     from tests.bench_ref import SHAPES, pretrained_folder, problems
     from trainer.chat import encode_prompt
     from trainer.engine import deterministic
-    from trainer.fastgen import StaticDecoder
+    from trainer.inference.cuda import StaticDecoder
     from trainer.model import load_model
     from trainer.tokenizer import load_tokenizer
 

@@ -254,7 +254,7 @@ def test_the_configs_builtin_environments_are_the_ones_built():
 def test_finding_a_stop_string_is_linear_in_the_tokens(tiny_tokenizer):
     """The HF path cuts a generation at the token that completes a stop string; looking for it
     decodes a window of tokens per position, never the whole prefix."""
-    from trainer.generate import StopStrings
+    from trainer.inference.generate import StopStrings
 
     stops = StopStrings(tiny_tokenizer, ("</tool_call>", "####"))
     ids = tiny_tokenizer.encode("3 + 4 = 7 and 12 apples ")

@@ -1,4 +1,4 @@
-"""The fast decoder (`trainer.fastgen`) against HF `generate` and the trainer's forward.
+"""The fast decoder (`trainer.inference.cpu`) against HF `generate` and the trainer's forward.
 
 Greedy tokens must be identical to `generate`'s on the same weights and prompts (left padding,
 uneven lengths, early EOS), for each architecture it covers: Llama with grouped-query attention,
@@ -23,8 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from tests.bench_ref import problems, tokenizer
 from trainer.chat import encode_prompt
-from trainer.fastgen import FastDecoder, sample, unsupported
-from trainer.generate import generate
+from trainer.inference.cpu import FastDecoder, sample, unsupported
+from trainer.inference.generate import generate
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.trajectory import pack, Sample
 from trainer import kernels
@@ -370,7 +370,7 @@ def test_other_models_fall_back_to_hf_generate(char_tok):
 def hf_path(monkeypatch):
     """Generation through HF `generate`, as on a GPU (the fast decoder is CPU-only): the same models
     and prompts as above, only the decoder differs."""
-    import trainer.generate as G
+    import trainer.inference.generate as G
 
     monkeypatch.setattr(G, "decoder_for", lambda model: None)
 

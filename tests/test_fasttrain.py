@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from trainer import fasttrain, kernels
-from trainer.fastgen import left_pad
+from trainer.inference.cpu import left_pad
 from trainer.rl.logprobs import hf_prefix_logits
 
 COMMON = dict(vocab_size=90, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -171,7 +171,7 @@ def test_zero3_partitioned_weights_run_through_the_models_own_forward(tmp_path):
     and the fast decoder, which read weights directly, step aside (one rank on CPU once crashed in the
     decoder on an empty embedding), and a round runs through the model's forward and HF generate."""
     from tests.bench_ref import SHAPES, model, posttrain_config, problems, tokenizer
-    from trainer.fastgen import unsupported as decoder_unsupported
+    from trainer.inference.cpu import unsupported as decoder_unsupported
     from trainer.grpo import GRPOTrainer
 
     shape = SHAPES["ref"]

@@ -1,4 +1,4 @@
-"""The fixed-shape decoder (`trainer.fastgen.StaticDecoder`): the in-process engine's path on CUDA,
+"""The fixed-shape decoder (`trainer.inference.cuda.StaticDecoder`): the in-process engine's path on CUDA,
 where each decoding step is captured once as a CUDA graph and replayed.
 
 On CPU its step runs eagerly: the same arithmetic at the same shapes (a power-of-two bucket of
@@ -16,8 +16,9 @@ import torch
 from tests.bench_ref import problems
 from tests.test_fastgen import _hf_greedy, _model, _prompts, char_tok  # noqa: F401 (a fixture)
 from trainer.chat import encode_prompt
-from trainer.fastgen import FastDecoder, StaticDecoder, bucket
-from trainer.generate import StopStrings, decoder_for, generate
+from trainer.inference.cpu import FastDecoder
+from trainer.inference.cuda import StaticDecoder, bucket
+from trainer.inference.generate import StopStrings, decoder_for, generate
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.trajectory import Sample, pack
 

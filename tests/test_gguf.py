@@ -44,7 +44,7 @@ def test_the_real_chat_template_and_stop_token(smollm2):
 
 
 def test_generation_stops_at_im_end_on_both_engines_with_the_same_tokens(smollm2, monkeypatch):
-    from trainer import generate as gen
+    from trainer.inference import generate as gen
     from trainer.chat import encode_prompt
 
     _, model, tok = smollm2

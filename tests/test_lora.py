@@ -19,7 +19,7 @@ from trainer.errors import InputError
 from trainer.grpo import GRPOTrainer
 from trainer.loop import run_round, run_rounds
 from trainer.model import build_model
-from trainer.rl.engines import HFEngine, SamplingParams
+from trainer.inference.engines import HFEngine, SamplingParams
 
 OVERRIDES = ["model.hidden_size=32", "model.num_layers=2", "model.intermediate_size=64",
              "grpo.rounds=4", "grpo.checkpoint_every=2", "grpo.eval_every=100", "rollout.prompts_per_round=3",
@@ -164,7 +164,7 @@ def test_a_lora_grpo_stage_resumes_to_the_uninterrupted_runs_adapters(tiny_token
     full.export(tmp_path / "model", tmp_path / "adapter")
     from peft import PeftModel
 
-    from trainer.generate import generate
+    from trainer.inference.generate import generate
     from trainer.model import load_model
 
     merged = load_model(tmp_path / "model")

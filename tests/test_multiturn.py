@@ -15,9 +15,9 @@ import torch
 
 from trainer.config import load_config
 from trainer.data import synthetic
-from trainer.generate import StopStrings, generate
+from trainer.inference.generate import StopStrings, generate
 from trainer.model import build_model
-from trainer.rl.engines import HFEngine
+from trainer.inference.engines import HFEngine
 from trainer.rl.envs import Environment, Episode, Step
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.orchestrator import RolloutManager
@@ -61,7 +61,7 @@ def _gpt2(tok):
 @pytest.mark.parametrize("kind", ["fast decoder", "HF generate"])
 def test_generation_stops_at_the_token_that_completes_a_stop_string(tiny_tokenizer, kind):
     from trainer.chat import encode_prompt
-    from trainer.generate import decoder_for
+    from trainer.inference.generate import decoder_for
 
     cfg = load_config("tiny", MODEL)
     model = build_model(cfg.model, tiny_tokenizer, seed=0) if kind == "fast decoder" else _gpt2(tiny_tokenizer)
@@ -192,7 +192,7 @@ class ScriptedPolicy:
         self.tok, self.turns, self.calls = tok, turns, 0
 
     def generate(self, prompts, params):
-        from trainer.generate import Generation
+        from trainer.inference.generate import Generation
 
         text = self.turns[min(self.calls, len(self.turns) - 1)]
         self.calls += 1

@@ -5,9 +5,9 @@ import torch
 
 from trainer.config import RewardSpec, RolloutConfig, load_config
 from trainer.data import synthetic
-from trainer.generate import Generation
+from trainer.inference.generate import Generation
 from trainer.model import build_model
-from trainer.rl.engines import HFEngine, SamplingParams
+from trainer.inference.engines import HFEngine, SamplingParams
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.orchestrator import DataBuffer, RolloutManager, keep_group
 from trainer.rl.rewards import RewardMix

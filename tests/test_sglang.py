@@ -14,8 +14,8 @@ import time
 import pytest
 
 from trainer.config import SGLangConfig
-from trainer.rl.engines import SamplingParams
-from trainer.rl.sglang import (CPU_DEFAULT_MAX_TOTAL_TOKENS, SERVER_WRAPPER, SGLangEngine, SGLangError, _Server,
+from trainer.inference.engines import SamplingParams
+from trainer.inference.sglang import (CPU_DEFAULT_MAX_TOTAL_TOKENS, SERVER_WRAPPER, SGLangEngine, SGLangError, _Server,
                             env_dir, launch_command, parse_generation, server_env)
 
 RECORDED = {
@@ -45,7 +45,7 @@ def test_recorded_reply_parses():
 
 
 def test_a_groups_samples_go_to_one_server_and_groups_round_robin():
-    from trainer.rl.sglang import route
+    from trainer.inference.sglang import route
 
     a, b, c = [1, 2], [3, 4, 5], [6]
     prompts = [a, a, a, b, b, b, c, c, c, a]  # the last: another copy of a (a carried-over group's prompt)
@@ -165,7 +165,7 @@ def test_env_dir_is_keyed_by_the_pins(tmp_path, monkeypatch):
 
 
 def test_weights_go_as_a_folder_unless_tensor_is_asked_for():
-    from trainer.rl.sglang import syncs_by_tensor
+    from trainer.inference.sglang import syncs_by_tensor
 
     assert syncs_by_tensor(SGLangConfig()) is False
     assert syncs_by_tensor(SGLangConfig(device="cpu", weight_sync="tensor")) is True

@@ -17,7 +17,7 @@ from tests.seeded import seed
 from tests.test_pipeline import SMALL
 from tests.test_resume_kill import run_cli as _run_cli
 from tests.test_sglang_server import STANDIN, free_base_port
-from trainer.rl.sglang import port_taken
+from trainer.inference.sglang import port_taken
 
 pytestmark = pytest.mark.slow
 

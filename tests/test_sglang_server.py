@@ -1,4 +1,4 @@
-"""trainer/rl/sglang.py against real SGLang servers (sglang 0.5.23, CPU mode, its own environment
+"""trainer/inference/sglang.py against real SGLang servers (sglang 0.5.23, CPU mode, its own environment
 built by `make sglang-env`; `make test` builds it first).
 
 Two servers are launched once for the module through `SGLangEngine.from_config`, exactly as the
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from trainer.config import SGLangConfig
-from trainer.rl import sglang
-from trainer.rl.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
+from trainer.inference import sglang
+from trainer.inference.sglang import SGLangEngine, SGLangError, check_server_python, port_taken
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def prompts_for(tok, n: int = 12) -> list[list[int]]:
 
 
 def greedy(engine, prompts, n_tokens: int = 20):
-    from trainer.rl.engines import SamplingParams
+    from trainer.inference.engines import SamplingParams
 
     return engine.generate(prompts, SamplingParams(max_new_tokens=n_tokens, temperature=0.0))
 
@@ -108,7 +108,7 @@ def compare(hf_gens, sg_gens) -> tuple[int, float, float]:
 
 
 def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tiny_tokenizer):
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     _, model = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -148,7 +148,7 @@ def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, ba
     are given back afterwards."""
     import copy
 
-    from trainer.rl.engines import HFEngine, SamplingParams
+    from trainer.inference.engines import HFEngine, SamplingParams
 
     base_path, base = base_model
     model = copy.deepcopy(base)
@@ -177,7 +177,7 @@ def test_sampled_logprobs_match_the_trainers(servers, base_model, tiny_tokenizer
     """What TIS relies on: the engine's logprob of each sampled token (T=0.7) is the trainer's."""
     from trainer.rl.logprobs import token_logprobs
     from trainer.rl.trajectory import pack
-    from trainer.rl.engines import SamplingParams
+    from trainer.inference.engines import SamplingParams
     from trainer.rl.trajectory import Sample
 
     _, model = base_model
@@ -196,7 +196,7 @@ def test_sampled_logprobs_match_the_trainers(servers, base_model, tiny_tokenizer
 def test_each_sample_of_a_group_gets_its_own_seed(servers, tiny_tokenizer):
     """n copies of one prompt carry seeds base, base+1, ...: with one shared seed, a server that
     honours seeds returns n identical samples and GRPO's group has no signal."""
-    from trainer.rl.engines import SamplingParams
+    from trainer.inference.engines import SamplingParams
 
     sent = []
     post = servers._session.post
@@ -226,7 +226,7 @@ def test_prompts_go_round_robin_over_both_servers(servers, tiny_tokenizer):
 def test_a_groups_samples_are_served_by_one_server(servers, tiny_tokenizer):
     """Every sample of a group goes to the same server (one prefill, the rest from its prefix
     cache); the groups spread over both servers."""
-    from trainer.rl.engines import SamplingParams
+    from trainer.inference.engines import SamplingParams
 
     prompts = prompts_for(tiny_tokenizer, 5)
     gens = servers.generate([p for p in prompts for _ in range(3)], SamplingParams(6, 1.0, seed=7))
@@ -297,7 +297,7 @@ def _trainer(tmp_path, tok, model, engine, rollout: dict | None = None, lora: di
 def test_stop_strings_end_generation_at_the_same_token_as_the_hf_engine(servers, base_model, tiny_tokenizer):
     """A stop string (a tool call's end in multi-turn rollouts) ends an SGLang sequence at the token
     that completes it, kept, as the HF engine's decoders do: greedy, the same tokens on both."""
-    from trainer.rl.engines import HFEngine, SamplingParams
+    from trainer.inference.engines import HFEngine, SamplingParams
 
     _, model = base_model
     prompts = prompts_for(tiny_tokenizer, 6)
@@ -358,7 +358,7 @@ def torch_shm_files() -> set[str]:
 
 def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_model, tiny_tokenizer, tmp_path, sync_by):
     from transformers import AutoModelForCausalLM
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -395,7 +395,7 @@ def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, bas
     from transformers import AutoModelForCausalLM
     from trainer import lora
     from trainer.engine import full_weights
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -436,7 +436,7 @@ def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, bas
 def test_resumed_stage_pushes_the_checkpoint_weights_before_its_first_rollout(servers, base_model, tiny_tokenizer,
                                                                                tmp_path):
     from transformers import AutoModelForCausalLM
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     path, _ = base_model
     prompts = prompts_for(tiny_tokenizer)
@@ -476,7 +476,7 @@ def test_async_rounds_overlap_updates_and_drain_before_each_weight_update(server
     from transformers import AutoModelForCausalLM
     from trainer.loop import run_rounds
     from trainer.rl.async_rollout import version_for
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     path, _ = base_model
     events: list[tuple[str, float, float]] = []  # (what, start, end)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.test_sglang_server import compare, cpu_server_config
-from trainer.rl.sglang import SGLangEngine
+from trainer.inference.sglang import SGLangEngine
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +51,14 @@ def prompts(tok) -> list[list[int]]:
 
 
 def greedy(engine, ids, n: int = 64):
-    from trainer.rl.engines import SamplingParams
+    from trainer.inference.engines import SamplingParams
 
     return engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
 
 
 def test_greedy_answers_match_the_fast_decoder_and_stop_at_im_end(server, smollm2):
-    from trainer import generate as gen
-    from trainer.rl.engines import HFEngine
+    from trainer.inference import generate as gen
+    from trainer.inference.engines import HFEngine
 
     _, model, tok = smollm2
     ids = prompts(tok)
@@ -83,7 +83,7 @@ def test_one_grpo_round_through_sglang_on_the_real_weights(server, smollm2, smol
     from trainer.data import synthetic
     from trainer.grpo import GRPOTrainer
     from trainer.model import load_model
-    from trainer.rl.engines import HFEngine
+    from trainer.inference.engines import HFEngine
 
     folder, _, tok = smollm2
     cfg = load_config("smollm2-135m", {

@@ -19,7 +19,7 @@ from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
 from trainer.data import prompt_messages, question_of
-from trainer.generate import generate
+from trainer.inference.generate import generate
 from trainer.progress import progress_bar
 
 
@@ -53,7 +53,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
         return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0)
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     if engine is not None:
-        from trainer.rl.engines import SamplingParams
+        from trainer.inference.engines import SamplingParams
 
         gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0))
     else:
@@ -64,7 +64,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
 
 
 def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:
-    from trainer.rl.engines import HFEngine, SamplingParams
+    from trainer.inference.engines import HFEngine, SamplingParams
     from trainer.rl.envs import environment_of
     from trainer.rl.multiturn import Observations, play, tool_use
 

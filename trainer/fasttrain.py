@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.fastgen import signed_sin, unsupported as decoder_unsupported
+from trainer.inference.cpu import signed_sin, unsupported as decoder_unsupported
 
 
 def unsupported(model: torch.nn.Module) -> str | None:

@@ -29,7 +29,7 @@ from trainer.config import RunConfig
 from trainer.errors import InputError
 from trainer.evaluate import evaluate
 from trainer.rl import losses
-from trainer.rl.engines import HFEngine, RolloutEngine, SamplingParams
+from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
 from trainer.rl.rewards import RewardMix

@@ -1,6 +1,6 @@
 // One decoding step (one new token a row) of one Llama-family layer on the CPU, float32.
 //
-// The same arithmetic as trainer/fastgen.py's `_block` at S = 1, with everything between the four
+// The same arithmetic as trainer/inference/cpu.py's `_block` at S = 1, with everything between the four
 // matrix products done in one pass over each row instead of ~25 separate torch ops (each a dispatch,
 // an allocation and a trip through memory: at batch 64 they cost more than the products). The
 // products are gemm.h's dot form on the weights as the model stores them ([out, in]): nothing is

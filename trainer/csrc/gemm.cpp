@@ -1,5 +1,5 @@
 // See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linear_dx / linear_dw for
-// trainer/fasttrain.py's Linear and trainer/fastgen.py's output head; decode_layer.cpp calls
+// trainer/fasttrain.py's Linear and trainer/inference/cpu.py's output head; decode_layer.cpp calls
 // gemm_nt directly.
 
 #include "gemm.h"

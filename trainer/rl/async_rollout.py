@@ -187,7 +187,7 @@ def _serve(spec: dict[str, Any], inbox, outbox) -> None:
         from transformers import AutoModelForCausalLM
 
         from trainer import engine as ds
-        from trainer.rl.engines import HFEngine
+        from trainer.inference.engines import HFEngine
         from trainer.rl.orchestrator import RolloutManager
 
         ds.deterministic()

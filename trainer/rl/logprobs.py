@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from trainer import fasttrain
-from trainer.fastgen import distinct, left_pad
+from trainer.inference.cpu import distinct, left_pad
 from trainer.rl.trajectory import PackedBatch
 
 

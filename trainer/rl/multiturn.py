@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from trainer.chat import ChatFormatError, render_ids
-from trainer.generate import Generation
-from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.inference.generate import Generation
+from trainer.inference.engines import RolloutEngine, SamplingParams
 from trainer.rl.envs import Episode, Tool
 from trainer.rl.tools import TOOL_CALL_END, TOOL_CALL_START
 

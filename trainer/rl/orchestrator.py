@@ -23,7 +23,7 @@ from trainer import engine as ds
 from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
-from trainer.rl.engines import RolloutEngine, SamplingParams
+from trainer.inference.engines import RolloutEngine, SamplingParams
 from trainer.rl.envs import environment_of
 from trainer.rl.multiturn import Observations, play, tool_use
 from trainer.rl.rewards import RewardError, RewardMix

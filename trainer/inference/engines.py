@@ -2,7 +2,7 @@
 
 An engine turns prompts (token ids) into `Generation`s (token ids, per-token log-probs under the
 sampling distribution, finish reason) and can receive new weights. `HFEngine` runs in process and
-shares the policy's module, so a weight sync costs nothing; `trainer.rl.sglang.SGLangEngine` talks
+shares the policy's module, so a weight sync costs nothing; `trainer.inference.sglang.SGLangEngine` talks
 to SGLang servers over HTTP.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.generate import Generation, generate
+from trainer.inference.generate import Generation, generate
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Runs SGLang's own `sglang.launch_server` and takes the whole server down with its starter.
 
-    <sglang python> trainer/rl/sglang_server.py --parent-pid PID -- <launch_server arguments>
+    <sglang python> trainer/inference/sglang_server.py --parent-pid PID -- <launch_server arguments>
 
 Runs in the SGLang environment's interpreter, so it imports nothing from posttrain but the
 standard-library-only `trainer/procwatch.py`, loaded by its path. The server is
-started in a process group of its own (by `trainer.rl.sglang`); a thread here polls PID and, once that
+started in a process group of its own (by `trainer.inference.sglang`); a thread here polls PID and, once that
 process is gone (finished, crashed or SIGKILLed, so it could not stop the server itself), kills the
 whole group: the HTTP server and SGLang's scheduler and detokenizer processes. Nothing outlives the
 pipeline that started it.

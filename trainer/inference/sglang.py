@@ -3,7 +3,7 @@
 - environment: SGLang pins its own torch and transformers, so launched servers run from their own
   interpreter (`rollout.sglang.python`; by default the one `make sglang-env` builds under
   `$POSTTRAIN_SGLANG_HOME`, keyed by the pins in `deployments/sglang/`).
-- launch: `<python> trainer/rl/sglang_server.py --parent-pid <this process> -- --model-path ...`, one
+- launch: `<python> trainer/inference/sglang_server.py --parent-pid <this process> -- --model-path ...`, one
   process group per server, waited on with GET /health. The wrapper runs SGLang's own
   `sglang.launch_server` unchanged and takes the whole server down when the process that started
   it is gone, even after a SIGKILL. Or connect to running servers (`rollout.sglang.urls`).
@@ -43,7 +43,7 @@ import requests
 
 from trainer.config import SGLangConfig
 from trainer.errors import InputError
-from trainer.generate import Generation
+from trainer.inference.generate import Generation
 
 log = logging.getLogger(__name__)
 

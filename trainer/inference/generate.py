@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.fastgen import FastDecoder, StaticDecoder, left_pad, unsupported
+from trainer.inference.cpu import FastDecoder, left_pad, unsupported
+from trainer.inference.cuda import StaticDecoder
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -127,7 +128,7 @@ def generate(
     `min_new_tokens` (its log-probability stays that of the unmasked distribution). A sequence
     also ends at the token that completes one of the `stop` strings (kept, as SGLang keeps it).
 
-    Llama-family models decode through `trainer.fastgen` (same tokens up to float rounding): on
+    Llama-family models decode through `trainer.inference.cpu` (same tokens up to float rounding): on
     CPU its compiled decoder (about 1.4x faster than `generate` on small models), on CUDA its
     fixed-shape decoder with CUDA graphs; any other model through HF `generate`."""
     was_training = model.training

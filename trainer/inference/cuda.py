@@ -1,0 +1,336 @@
+"""The fixed-shape decoder, for GPUs: `trainer.inference.cpu`'s arithmetic at shapes that do not
+change from step to step, so that each decoding step is captured once as a CUDA graph and replayed
+(`StaticDecoder`'s docstring; measured in docs/gpu.md). Off CUDA the same step runs eagerly: that is
+how the CPU suite checks it (`tests/test_fixed_decoder.py`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rotate, distinct, left_pad
+
+log = logging.getLogger(__name__)
+
+
+def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`_rms` in fewer kernels for the GPU's decoding step: torch's fused RMSNorm on the float32
+    values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
+    kernel's own order, which may differ from `pow().mean()` in the last bit of float32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+GRAPHS_ENV = "POSTTRAIN_CUDA_GRAPHS"  # "0": the fixed-shape decoder runs its step eagerly on CUDA too
+WIDTH_STEP = 64  # cache widths round up to a multiple of this: few shapes, so captured graphs are reused
+MAX_GRAPHS = 4   # captured shapes kept (each holds its KV cache: layers x 2 x rows x width x kv x head_dim)
+CHECK_EVERY = 8  # without stop strings, how many steps between the host's look at whether all rows ended
+
+
+def bucket(n: int) -> int:
+    """A batch of n rows decodes as the next power of two (filler rows beside it, their tokens dropped):
+    at most a few shapes a run, each captured once."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Fixed:
+    """One shape's decoding state, in place across steps (a captured graph reads these tensors):
+    the KV caches, each row's last token and its position, the cache column the step writes, and
+    which columns each row sees."""
+
+    def __init__(self, dec: "StaticDecoder", rows: int, width: int) -> None:
+        dev, dtype = dec.embed.device, dec.embed.dtype
+        self.caches = [(torch.zeros(rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev),
+                        torch.zeros(rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev))
+                       for _ in dec.layers]
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
+        self.graph = None
+        self.logits: torch.Tensor | None = None  # the captured step's output, rewritten by each replay
+
+
+class StaticDecoder(FastDecoder):
+    """The decoder at fixed shapes, for GPUs: a decoding step is launch-bound there (a 135M model
+    reads its weights in about 0.1 ms; its few hundred small kernels take milliseconds to launch from
+    Python), so each step is captured once as a CUDA graph and replayed.
+
+    - The batch runs as a power-of-two bucket of rows and the KV cache as a width rounded up to
+      `WIDTH_STEP`; each step attends over the whole width with a mask (no per-step slicing), writes
+      its keys and values at a cache column held in a tensor, and reads positions from a tensor:
+      nothing in a step depends on a Python number, so one captured graph serves every step and
+      every later call of the same shape.
+    - A prompt shared by a group's samples is prefilled once (eagerly: one call a batch), its cache
+      rows copied to the samples.
+    - Sampling, the sampler's log-probs, EOS and `min_new` run on the device; without stop strings
+      the host looks every `CHECK_EVERY` steps whether every row has ended (one sync), with them
+      every step (the text is decoded on the host).
+    - Finished rows decode on (fixed shapes); their tokens past EOS or a stop are dropped.
+    - The graph reads the weights where they were at capture: a weight whose storage moved (a
+      resume's `load_state_dict` into new tensors, DeepSpeed replacing `.data`) is noticed at the
+      next call, and every shape is captured again.
+
+    Off CUDA, or with POSTTRAIN_CUDA_GRAPHS=0, the same step runs eagerly: that is how the CPU tests
+    check it against HF `generate` and the trainer's forward (the CPU itself uses `FastDecoder`).
+    Replaying a graph runs the same kernels on the same shapes, so decoding stays reproducible run to
+    run under torch's deterministic mode."""
+
+    devices = ("cpu", "cuda")
+
+    def __init__(self, model: torch.nn.Module, graphs: bool | None = None) -> None:
+        super().__init__(model)  # (kept by `decoder_for` for the model's lifetime: it holds no reference to it)
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.use_graphs = on_cuda and os.environ.get(GRAPHS_ENV, "1") != "0" if graphs is None else graphs
+        if self.use_graphs and not on_cuda:
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
+        self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
+        self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
+        self._fused_shape: tuple | None = None
+        self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
+        self.weights_at_capture: tuple[int, ...] = ()
+        self.pool = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the decoder's model was freed")
+        return model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        self._model = weakref.ref(model)
+
+    def _refresh_fused(self) -> None:
+        """Each layer's q, k and v projections as one [(heads + 2 kv_heads) * hd, H] matrix (and bias),
+        gate and up as one [2 I, H]: one product each instead of three and two (on a GPU a decoding
+        step is a few hundred small kernels, and each is time). They are buffers of the decoder's own,
+        allocated once and refilled from the policy's weights at every call (a device-to-device copy
+        of about two thirds of them), so the captured graphs keep reading the same storage and the
+        call decodes with the weights as they were when it began."""
+        shape_of = lambda L: (L.wq.dtype, L.wq.device, L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wg.shape[0])
+        if not self.fused or shape_of(self.layers[0]) != self._fused_shape:
+            self.fused = []
+            for L in self.layers:
+                wqkv = torch.empty(L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wq.shape[1], dtype=L.wq.dtype,
+                                   device=L.wq.device)
+                bqkv = torch.empty(wqkv.shape[0], dtype=L.bq.dtype, device=L.bq.device) if L.bq is not None else None
+                wgu = torch.empty(2 * L.wg.shape[0], L.wg.shape[1], dtype=L.wg.dtype, device=L.wg.device)
+                self.fused.append((wqkv, bqkv, wgu))
+            self._fused_shape = shape_of(self.layers[0])
+        for L, (wqkv, bqkv, wgu) in zip(self.layers, self.fused):
+            torch.cat([L.wq, L.wk, L.wv], out=wqkv)
+            if bqkv is not None:
+                torch.cat([L.bq, L.bk, L.bv], out=bqkv)
+            torch.cat([L.wg, L.wu], out=wgu)
+
+    def _weight_pointers(self) -> tuple[int, ...]:
+        ts = [self.embed, self.head, self.norm[0], self.cos, self.sin]
+        for L in self.layers:
+            ts += [L.ln1[0], L.ln2[0], L.wo, L.wd] + ([] if self.fuse else [L.wq, L.wk, L.wv, L.wg, L.wu])
+            ts += [t for t in (L.bq, L.bk, L.bv, L.bo) if t is not None]
+            ts += [n[0] for n in (L.qn, L.kn) if n is not None]
+        if self.fuse:
+            ts += [t for layer in self.fused for t in layer if t is not None]
+        return tuple(t.data_ptr() for t in ts)
+
+    def _fixed(self, rows: int, width: int) -> _Fixed:
+        """The state of that shape, its step captured (CUDA graphs) the first time it is asked for."""
+        key = (rows, width)
+        st = self.shapes.pop(key, None)
+        if st is None:
+            if len(self.shapes) >= MAX_GRAPHS:
+                self.shapes.pop(next(iter(self.shapes)))  # the least recently used shape
+            st = _Fixed(self, rows, width)
+            if self.use_graphs:
+                try:
+                    self._capture(st)
+                except RuntimeError as e:  # an op this torch cannot capture: the same step, eagerly
+                    log.warning("CUDA graph capture failed, decoding steps run eagerly from now on "
+                                "(%s=0 skips the attempt): %s", GRAPHS_ENV, e)
+                    self.use_graphs, st.graph = False, None
+                    torch.cuda.synchronize()
+        self.shapes[key] = st
+        return st
+
+    def _capture(self, st: _Fixed) -> None:
+        """Capture the step of st's shape. Under torch's deterministic mode the step is captured with
+        the mode off, which changes one op: the cache write keeps CUDA's plain index_copy_ kernel
+        (its deterministic form is an index_put_ that checks the indices on the host, a sync a graph
+        cannot hold; the eager step writes by a one-hot select instead, a pass over the whole cache a
+        layer). One column, one writer per element: the plain kernel stores the same values every
+        replay. The mode is restored before anything else runs (capture is synchronous, on this thread)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()  # the shapes' graphs share one memory pool
+        strict = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires (lazy inits)
+                for _ in range(2):
+                    self._step(st)
+            torch.cuda.current_stream().wait_stream(side)
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=self.pool):
+                st.logits = self._step(st)
+        finally:
+            torch.use_deterministic_algorithms(strict, warn_only=warn_only)
+
+    def _run(self, st: _Fixed) -> torch.Tensor:
+        if st.graph is None:
+            return self._step(st)
+        st.graph.replay()
+        return st.logits
+
+    def _step(self, st: _Fixed) -> torch.Tensor:
+        """Logits [rows, V] of the next token of every row: `st.tok` at position `st.pos`, its keys
+        and values written at cache column `st.col`, attending the columns `st.valid` marks."""
+        rows, width = st.valid.shape
+        h = F.embedding(st.tok, self.embed)[:, None]  # [rows, 1, H]
+        cos, sin = self.cos[st.pos][:, None, None], self.sin[st.pos][:, None, None]  # [rows, 1, 1, hd]
+        # additive, shared by every layer: 0 where a key is visible, -inf where not
+        mask = torch.zeros((rows, self.heads, width), dtype=h.dtype, device=h.device).masked_fill_(
+            ~st.valid[:, None], float("-inf")).view(rows * self.kv_heads, self.groups, width)
+        # Under torch's deterministic mode, CUDA's index_copy_ becomes an index_put_ that checks its
+        # indices' range on the host (a sync each layer); eagerly, a one-hot select of the column
+        # writes the same values with an elementwise op (one more pass over the cache). `_capture`
+        # captures with the mode off, so graphs keep index_copy_.
+        sel = (torch.arange(width, device=h.device) == st.col) if self._masked_writes(h.device) else None
+        fused = self.fused if self.fuse else [None] * len(self.layers)
+        for L, (kc, vc), fz in zip(self.layers, st.caches, fused):
+            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel, fz)
+        return _linear(_fast_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
+
+    def _masked_writes(self, device: torch.device) -> bool:
+        if self.masked_writes is not None:
+            return self.masked_writes
+        return device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+
+    def _fixed_block(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                     vc: torch.Tensor, col: torch.Tensor, mask: torch.Tensor,
+                     sel: torch.Tensor | None = None, fused=None) -> torch.Tensor:
+        """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
+        its keys and values written at the cache column `col` holds (or `sel`, that column's one-hot
+        over the width, marks), attending the cache's whole width; `fused` (`_refresh_fused`'s
+        buffers of this layer) makes q, k, v one product and gate, up another."""
+        B = h.shape[0]
+        nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
+        q, k, v = self._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
+        k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [B, kv, hd, 1], [B, kv, 1, hd]
+        if sel is None:
+            kc.index_copy_(3, col, k)
+            vc.index_copy_(2, col, v)
+        else:
+            torch.where(sel, k, kc, out=kc)
+            torch.where(sel[:, None], v, vc, out=vc)
+        scores = torch.baddbmm(mask, q.reshape(B * nkv, self.groups, hd), kc.view(B * nkv, hd, width),
+                               alpha=self.scaling)
+        o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
+        o = o.view(B, 1, self.heads * hd)
+        if fused is None:
+            return self._out_mlp(L, h, o)
+        h = h + F.linear(o, L.wo, L.bo)
+        gate, up = F.linear(_fast_rms(h, *L.ln2), fused[2]).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, L.wd)
+
+    def _qkv_fused(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_qkv` with the three projections as one product (`_refresh_fused`)."""
+        B, S, _ = h.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(_fast_rms(h, *L.ln1), fused[0], fused[1])
+        qk, v = qkv.split([(nh + nkv) * hd, nkv * hd], dim=-1)
+        qk, v = qk.view(B, S, nh + nkv, hd), v.view(B, S, nkv, hd)
+        if L.qn is not None:
+            qk = torch.cat([_fast_rms(qk[:, :, :nh], *L.qn), _fast_rms(qk[:, :, nh:], *L.kn)], dim=2)
+        qk = _rotate(qk, cos, sin)
+        return qk[:, :, :nh], qk[:, :, nh:], v
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], max_new: int, eos: int, pad: int, temperature: float = 0.0,
+               top_p: float = 1.0, min_new: int = 0, logprobs: bool = True,
+               stop: Callable[[list[int]], bool] | None = None,
+               ) -> tuple[list[list[int]], list[list[float]]]:
+        """As `FastDecoder.decode`: the new tokens of each prompt (ending at EOS or at a token after
+        which `stop` is true, both kept, or at max_new) and their log-probs under softmax(logits / T)."""
+        self._pack()
+        self.kernel = None  # torch ops: the compiled kernels are CPU code
+        if self.fuse:
+            self._refresh_fused()
+        if self.use_graphs:
+            pointers = self._weight_pointers()
+            if pointers != self.weights_at_capture:
+                self.shapes.clear()  # captured against weights that moved: capture again
+                self.weights_at_capture = pointers
+        B = len(prompts)
+        out_tok: list[list[int]] = [[] for _ in range(B)]
+        out_lp: list[list[float]] = [[] for _ in range(B)]
+        width = max(len(p) for p in prompts)
+        max_new = min(max_new, max(0, self.max_positions - width))
+        if max_new == 0:
+            return out_tok, out_lp
+        dev = self.embed.device
+        rows_n = bucket(B)
+        cols = min(-(-(width + max_new) // WIDTH_STEP) * WIDTH_STEP, self.max_positions)
+        st = self._fixed(rows_n, cols)
+        padded = list(prompts) + [prompts[0]] * (rows_n - B)  # filler rows share row 0's prefill
+        ids, valid = left_pad(padded, pad, room=cols - width)
+        ids, valid = ids.to(dev), valid.bool().to(dev)
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        rows, inverse = distinct(padded)
+        inverse = inverse.to(dev)
+        caches = [(torch.zeros(len(rows), self.kv_heads, self.head_dim, width, dtype=self.embed.dtype, device=dev),
+                   torch.zeros(len(rows), self.kv_heads, width, self.head_dim, dtype=self.embed.dtype, device=dev))
+                  for _ in self.layers]
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        mask = (causal & valid[rows, None, :width]) | torch.eye(width, dtype=torch.bool, device=dev)
+        logits = self._forward(ids[rows], positions[rows], caches, 0, mask[:, None])[inverse]
+        for (kc, vc), (ku, vu) in zip(st.caches, caches):
+            kc[..., :width].copy_(ku[inverse])
+            vc[:, :, :width].copy_(vu[inverse])
+        del caches
+        st.valid.copy_(valid)
+        st.pos.copy_(positions[:, -1] + 1)
+        tokens = torch.zeros(rows_n, max_new, dtype=torch.long, device=dev)
+        lps = torch.zeros(rows_n, max_new, dtype=torch.float32, device=dev)
+        ended = torch.zeros(rows_n, dtype=torch.bool, device=dev)
+        stopped = [False] * B  # stop strings: rows whose text ended, as the host decodes it
+        steps = max_new
+        for t in range(max_new):
+            nxt, lp = self._choose(logits, t, eos, temperature, top_p, min_new, logprobs)
+            tokens[:, t] = nxt
+            if lp is not None:
+                lps[:, t] = lp
+            ended |= nxt == eos
+            if stop is not None:
+                for r, tok in enumerate(nxt[:B].tolist()):
+                    if not stopped[r]:
+                        out_tok[r].append(tok)
+                        stopped[r] = tok == eos or stop(out_tok[r])
+            if t == max_new - 1:
+                break
+            if all(stopped) if stop is not None else (t + 1) % CHECK_EVERY == 0 and bool(ended[:B].all()):
+                steps = t + 1
+                break
+            st.tok.copy_(nxt)
+            st.col.fill_(width + t)
+            st.valid[:, width + t] = True
+            logits = self._run(st)
+            st.pos += 1
+        toks = tokens[:B, :steps].tolist()
+        got = lps[:B, :steps].tolist() if logprobs else None
+        for r in range(B):
+            n = len(out_tok[r]) if stop is not None else (toks[r].index(eos) + 1 if eos in toks[r] else steps)
+            out_tok[r] = toks[r][:n]
+            out_lp[r] = got[r][:n] if got is not None else []
+        return out_tok, out_lp
