@@ -38,6 +38,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from threading import Thread
+from typing import Callable
 
 import requests
 
@@ -203,17 +204,35 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
+BIND_FAILED = ("address already in use", "[Errno 98]")  # uvicorn's error when its port is taken
+
+
 class _Server:
-    def __init__(self, url: str, proc: subprocess.Popen | None = None) -> None:
-        self.url, self.proc = url.rstrip("/"), proc
+    def __init__(self, url: str, proc: subprocess.Popen | None = None,
+                 relaunch: Callable[[], _Server] | None = None) -> None:
+        self.url, self.proc, self.relaunch = url.rstrip("/"), proc, relaunch
         self.log_tail: deque[str] = deque(maxlen=60)
+        self.bind_failed = False  # its HTTP server found the port taken (and exited, uvicorn's code 3)
+        self._drainer: Thread | None = None
         if proc is not None and proc.stdout is not None:
-            Thread(target=self._drain, daemon=True).start()
+            self._drainer = Thread(target=self._drain, daemon=True)
+            self._drainer.start()
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log_tail.append(line.rstrip())
+            if any(b in line for b in BIND_FAILED):
+                self.bind_failed = True
+
+    def lost_its_port(self) -> bool:
+        """Whether this launched server exited because its port was taken after it was chosen (by
+        another process: the check and the bind are a minute apart while the model loads)."""
+        if self.proc is None or self.proc.poll() is None:
+            return False
+        if self._drainer is not None:
+            self._drainer.join(timeout=5)  # the output's last lines
+        return self.bind_failed
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -250,6 +269,9 @@ def _group_alive(pgid: int) -> bool:
 
 # ---------------------------------------------------------------- the engine
 
+MAX_RELAUNCHES = 2  # per engine, for ports taken between their choice and the server's bind
+
+
 class SGLangEngine:
     # generate() may be called from several threads at once: a round's chunks are all sent together,
     # and the servers batch them (trainer/rl/orchestrator.py)
@@ -263,6 +285,7 @@ class SGLangEngine:
         # weights by update_weights_from_tensor (servers on this machine), else a folder each round
         self.tensor_sync, self.tp_size = tensor_sync, tp_size
         self._session = requests.Session()
+        self.relaunched = 0  # launched servers started again because their port was taken (wait_healthy)
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, model_path: str, tok, dtype: str = "bfloat16") -> "SGLangEngine":
@@ -277,14 +300,23 @@ class SGLangEngine:
             if problem:
                 raise SGLangError(problem)
             servers: list[_Server] = []
+            used: set[int] = set()
+
+            def launch(i: int, port: int) -> _Server:
+                cmd = launch_command(cfg, model_path, port, dtype)
+                log.info("launching SGLang: %s", " ".join(cmd))
+                proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                used.add(port)
+                # on the next free port above every one this engine has used (one of them may be
+                # loading its model, not yet listening)
+                return _Server(f"http://{cfg.host}:{port}", proc,
+                               relaunch=lambda: launch(i, free_ports(cfg.host, max(used) + 1, 1)[0]))
+
             try:
                 ports = free_ports(cfg.host, cfg.base_port, cfg.num_servers)
                 for i, port in enumerate(ports):
-                    cmd = launch_command(cfg, model_path, port, dtype)
-                    log.info("launching SGLang: %s", " ".join(cmd))
-                    proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                    servers.append(_Server(f"http://{cfg.host}:{port}", proc))
+                    servers.append(launch(i, port))
             except BaseException:
                 for s in servers:  # the ones already started
                     s.stop()
@@ -300,8 +332,16 @@ class SGLangEngine:
         and raises SGLangError if one dies or is not healthy in time."""
         deadline = time.monotonic() + timeout_s
         try:
-            for s in self.servers:
+            for i in range(len(self.servers)):
                 while True:
+                    s = self.servers[i]
+                    if s.relaunch is not None and self.relaunched < MAX_RELAUNCHES and s.lost_its_port():
+                        s.stop()
+                        self.servers[i] = s.relaunch()
+                        self.relaunched += 1
+                        log.warning("SGLang server %s exited: its port was taken after it was chosen; launched "
+                                    "again as %s", s.url, self.servers[i].url)
+                        continue
                     s.check_alive()
                     try:
                         if self._session.get(f"{s.url}/health", timeout=5).status_code == 200:
