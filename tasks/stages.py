@@ -73,6 +73,7 @@ STAGES: list[Stage] = [
     Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
+        "grpo.checkpoint_min_seconds": "resume from any checkpoint is exact",
         "grpo.sample_table_every": "how often sample tables are logged",
         "grpo.eval_every": "periodic evals observe the policy; they do not change its weights",
         "grpo.eval_examples": "periodic evals observe the policy",

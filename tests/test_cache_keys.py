@@ -26,6 +26,7 @@ UNKEYED_CHANGES = {
     "sft.deepspeed.timeout_s": "sft.deepspeed.timeout_s=99",
     "grpo.rounds": "grpo.rounds=7",
     "grpo.checkpoint_every": "grpo.checkpoint_every=3",
+    "grpo.checkpoint_min_seconds": "grpo.checkpoint_min_seconds=30",
     "grpo.sample_table_every": "grpo.sample_table_every=3",
     "grpo.eval_every": "grpo.eval_every=3",
     "grpo.eval_examples": "grpo.eval_examples=3",

@@ -124,6 +124,30 @@ def test_zero_stage_0_clips_and_reports_the_gradient_norm_as_stage_1_does(tiny_t
         assert torch.allclose(w0[n], p, rtol=1e-4, atol=1e-6), n
 
 
+def test_a_due_checkpoint_waits_for_checkpoint_min_seconds_since_the_last(tiny_tokenizer, tmp_path):
+    """grpo.checkpoint_min_seconds: a round that checkpoint_every makes due is saved only when that
+    long has passed since the stage's last checkpoint (or its start); 0 keeps every due round."""
+    trainer = make_trainer(make_cfg("grpo.checkpoint_every=2", "grpo.checkpoint_min_seconds=30", "grpo.rounds=10"),
+                           tiny_tokenizer, tmp_path / "min")
+    trainer.round = 3
+    assert not trainer.should_checkpoint()  # not due
+    trainer.round = 4
+    assert not trainer.should_checkpoint()  # due, but the stage started under 30 s ago
+    trainer.last_checkpoint -= 31
+    assert trainer.should_checkpoint()
+    trainer.save()
+    assert trainer.ckpt_dir.joinpath("step00000004", "COMMITTED").is_file()
+    trainer.round = 6
+    assert not trainer.should_checkpoint()  # 30 s are counted from that save
+    trainer.last_checkpoint -= 31
+    assert trainer.should_checkpoint()
+    trainer.round = 10
+    assert not trainer.should_checkpoint()  # the last round: the stage saves it itself (tasks/grpo.py)
+    every = make_trainer(make_cfg("grpo.checkpoint_every=2", "grpo.rounds=10"), tiny_tokenizer, tmp_path / "every")
+    every.round = 4
+    assert every.should_checkpoint()
+
+
 def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenizer, tmp_path):
     cfg = make_cfg("grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3", "grpo.epochs=2")
     vocab = len(tiny_tokenizer)

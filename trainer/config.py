@@ -400,6 +400,10 @@ class GRPOConfig(Strict):
     eval_examples: int = Field(200, ge=1)
     pass_k: int = Field(4, ge=1, description="pass@k from k samples at periodic evals")
     checkpoint_every: int = Field(10, ge=1)
+    checkpoint_min_seconds: float = Field(
+        0.0, ge=0, description="skip a checkpoint that checkpoint_every makes due while fewer seconds than this "
+        "have passed since the stage's last one (or its start): bounds the checkpoints' share of a run whose "
+        "rounds are short (a small model on a GPU); the last round is always saved; 0: every checkpoint_every rounds")
     sample_table_every: int = Field(10, ge=1)
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
 

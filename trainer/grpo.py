@@ -99,6 +99,7 @@ class GRPOTrainer:
         self.round = 0
         self.history: list[dict[str, float]] = []
         self.started = time.perf_counter()
+        self.last_checkpoint = self.started  # (perf_counter) for grpo.checkpoint_min_seconds
         self.seconds_before_resume = 0.0
         self.resumed_from: int | None = None
         # one optimizer step a round: old log-probs from the training forward (False: a separate pass,
@@ -192,7 +193,13 @@ class GRPOTrainer:
         return self.round % self.cfg.grpo.eval_every == 0 or self.done()
 
     def should_checkpoint(self) -> bool:
-        return self.round % self.cfg.grpo.checkpoint_every == 0 and not self.done()
+        g = self.cfg.grpo
+        if self.round % g.checkpoint_every or self.done():
+            return False
+        if g.checkpoint_min_seconds <= 0:
+            return True
+        # a checkpoint is collective: the ranks agree, as for done()
+        return ds.any_rank(time.perf_counter() - self.last_checkpoint >= g.checkpoint_min_seconds)
 
     # -- round steps
     def rollout(self) -> RolloutBatch:
@@ -510,6 +517,7 @@ class GRPOTrainer:
         if self.producer is not None:  # the batches generated for the next rounds, waited for
             state["pending"] = self.producer.pending()
         checkpoint.save(self.ds, self.ckpt_dir, self.round, state, extra=self._extra_engines())
+        self.last_checkpoint = time.perf_counter()
 
     def close(self) -> None:
         """Stop the rollout producer and the engine (servers this stage launched); idempotent."""
