@@ -132,19 +132,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-OWN_CLIP = "posttrain_grad_clip"  # ds_config's key (taken out before DeepSpeed reads it) for `step`'s clipping
-
-
 def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip: float) -> dict[str, Any]:
-    """DeepSpeed's config for a stage. At ZeRO stage 0 in fp32 DeepSpeed clips with its own
-    clip_grad_norm_ and keeps no gradient norm (`get_global_grad_norm` is None there): its clipping
-    is left off and `step` clips instead, keeping the norm for `grad_norm`."""
-    own = ds.zero_stage == 0 and ds.precision == "fp32"
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": 0.0 if own else grad_clip,
-        OWN_CLIP: grad_clip if own else None,
+        "gradient_clipping": grad_clip,
         "zero_optimization": {"stage": ds.zero_stage},
         "bf16": {"enabled": ds.precision == "bf16"},
         "steps_per_print": 10**12,
@@ -192,8 +184,11 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
 
     retain_freed_memory()
     init_distributed()
-    config = dict(config)
-    clip = config.pop(OWN_CLIP, None)
+    # At ZeRO stage 0 in fp32 DeepSpeed clips with its own clip_grad_norm_ and keeps no gradient norm
+    # (`get_global_grad_norm` is None there): its clipping is left off and `step` clips instead
+    clip = None
+    if config["zero_optimization"]["stage"] == 0 and not config["bf16"]["enabled"]:
+        clip, config = float(config["gradient_clipping"]), {**config, "gradient_clipping": 0.0}
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
@@ -204,9 +199,9 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
 
 def step(engine) -> None:
     """`engine.step()`; at an accumulation boundary where DeepSpeed keeps no gradient norm (ZeRO stage
-    0 in fp32, `ds_config`), the gradients (already averaged over ranks by the boundary's backward)
+    0 in fp32, `initialize`), the gradients (already averaged over ranks by the boundary's backward)
     are first clipped by torch's clip_grad_norm_, one pass that also gives their norm before clipping."""
-    clip = getattr(engine, "posttrain_clip", None)
+    clip = engine.posttrain_clip
     if clip is not None and engine.is_gradient_accumulation_boundary():
         params = [p for p in engine.module.parameters() if p.grad is not None]
         if clip > 0:
@@ -218,8 +213,7 @@ def step(engine) -> None:
 
 def grad_norm(engine) -> float:
     """The global gradient norm before clipping at the engine's last optimizer step (NaN before any)."""
-    norm = engine.posttrain_grad_norm if getattr(engine, "posttrain_clip", None) is not None \
-        else engine.get_global_grad_norm()
+    norm = engine.posttrain_grad_norm if engine.posttrain_clip is not None else engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rotate, distinct, left_pad
+from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
     kernel's own order, which may differ from `pow().mean()` in the last bit of float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return _rms(x, weight, eps)  # one fused kernel already
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
@@ -93,7 +93,6 @@ class StaticDecoder(FastDecoder):
         self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
         self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
-        self._fused_shape: tuple | None = None
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
         self.pool = None
@@ -116,8 +115,8 @@ class StaticDecoder(FastDecoder):
         allocated once and refilled from the policy's weights at every call (a device-to-device copy
         of about two thirds of them), so the captured graphs keep reading the same storage and the
         call decodes with the weights as they were when it began."""
-        shape_of = lambda L: (L.wq.dtype, L.wq.device, L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wg.shape[0])
-        if not self.fused or shape_of(self.layers[0]) != self._fused_shape:
+        first = self.layers[0].wq
+        if not self.fused or (self.fused[0][0].dtype, self.fused[0][0].device) != (first.dtype, first.device):
             self.fused = []
             for L in self.layers:
                 wqkv = torch.empty(L.wq.shape[0] + L.wk.shape[0] + L.wv.shape[0], L.wq.shape[1], dtype=L.wq.dtype,
@@ -125,7 +124,6 @@ class StaticDecoder(FastDecoder):
                 bqkv = torch.empty(wqkv.shape[0], dtype=L.bq.dtype, device=L.bq.device) if L.bq is not None else None
                 wgu = torch.empty(2 * L.wg.shape[0], L.wg.shape[1], dtype=L.wg.dtype, device=L.wg.device)
                 self.fused.append((wqkv, bqkv, wgu))
-            self._fused_shape = shape_of(self.layers[0])
         for L, (wqkv, bqkv, wgu) in zip(self.layers, self.fused):
             torch.cat([L.wq, L.wk, L.wv], out=wqkv)
             if bqkv is not None:
