@@ -133,16 +133,29 @@ def world_size() -> int:
 
 
 def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip: float) -> dict[str, Any]:
-    return {
+    """DeepSpeed's config for a stage. bf16 at ZeRO stage 0 or 1 runs DeepSpeed's BF16_Optimizer: bf16
+    weights, gradients accumulated in fp32 and fp32 master weights, flat, one clip and one optimizer
+    step over them all. DeepSpeed gives it at stage 1 only, so stage 0 asks for 1 (with one rank
+    there is nothing to partition; with several the fp32 master weights are split between ranks).
+    Left to itself DeepSpeed would run stage 0 in bf16 through its fp16 optimizer, unfused (each
+    parameter's overflow check, norm and copies apart: about 25 operators a parameter a step, and a
+    device synchronisation for each, against 2 here; docs/gpu.md), and stage 1 through the ZeRO
+    optimizer with bf16 gradients. Stages 2 and 3 keep DeepSpeed's defaults."""
+    bf16 = ds.precision == "bf16"
+    stage = ds.zero_stage
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": ds.zero_stage},
-        "bf16": {"enabled": ds.precision == "bf16"},
+        "zero_optimization": {"stage": max(stage, 1) if bf16 and stage <= 1 else stage},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if bf16 and stage <= 1:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
 
 
 MALLOC_TUNING = "POSTTRAIN_MALLOC_TUNING"  # "0": leave glibc's allocator as it is
