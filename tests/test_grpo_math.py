@@ -180,6 +180,40 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
     assert grew < 4096 * 65536 * 4 / 4, f"grew {grew / 2**20:.0f} MiB"
 
 
+def test_off_the_cpu_the_update_runs_each_layer_once_a_micro_batch(tmp_path, monkeypatch):
+    """`response_logprobs` takes the shared-prompt layout on a CPU (each layer runs twice: the prompts'
+    pass, the responses' pass) and one pass per sequence elsewhere (each layer once: a GPU's update
+    waits on the operators it issues, docs/gpu.md). CUDA is not here: the device rule is emptied
+    instead (SHARED_PREFIX_DEVICES), on a model the fused CPU passes do not take (Qwen3's q/k
+    norms), and both layouts give the same log-probs and entropies."""
+    import random
+
+    from tests.bench_ref import tokenizer
+    from tests.test_fastgen import _model, _prompts
+    from trainer.rl import logprobs
+    from trainer.rl.trajectory import pack, Sample
+
+    tok = tokenizer(tmp_path / "tok")
+    model = _model("qwen3", tok).train()
+    assert logprobs.fasttrain.unsupported(model) is not None
+    rng = random.Random(2)
+    samples = [Sample(g, p, r, [0.0] * len(r), "", "length")
+               for g, p in enumerate(_prompts(tok, 3)) for r in
+               ([rng.randrange(7, 80) for _ in range(rng.randint(1, 9))] for _ in range(4))]
+    b = pack(samples, [0.0] * len(samples), tok.pad_token_id)
+    calls = []
+    model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    results = {}
+    for devices in (("cpu",), ()):
+        monkeypatch.setattr(logprobs, "SHARED_PREFIX_DEVICES", devices)
+        calls.clear()
+        results[devices] = logprobs.response_logprobs(model, b, 0.8, with_entropy=True)
+        assert len(calls) == (2 if devices else 1), devices
+    (lp_a, ent_a), (lp_b, ent_b) = results.values()
+    assert torch.allclose(lp_a * b.mask, lp_b * b.mask, atol=2e-5)
+    assert torch.allclose(ent_a * b.mask, ent_b * b.mask, atol=2e-5)
+
+
 def test_shared_prompt_passes_give_the_same_logprobs_with_the_head_in_blocks_or_whole(tmp_path, monkeypatch):
     """A model whose logits are not just its head's product (PLAIN_HEAD_MODELS emptied here) takes
     the whole-logits path: it gives the blocked path's log-probs, entropies and gradients."""

@@ -24,7 +24,18 @@ from trainer.inference.cpu import distinct, left_pad
 from trainer.rl.trajectory import PackedBatch
 
 
-HEAD_BLOCK_ELEMENTS = 1 << 24  # logits in a block of rows (64 MB in float32); rows = this // vocabulary
+HEAD_BLOCK_ELEMENTS = 1 << 24  # logits in a block of rows (64 MB in float32) on a CPU; rows = this // vocabulary
+# On an accelerator each block is a dozen operators issued from the host, forward and backward, and
+# the host's issuing is what bounds the update there (docs/gpu.md): 8x larger blocks (512 MB of
+# float32 logits, about 1.5 GB while a block's backward runs), 6 blocks where 48 were on bench_ref's
+# smollm2-gpu round. Fixed per device type, so a resumed run sums its blocks in the same order.
+ACCELERATOR_HEAD_BLOCK_ELEMENTS = 1 << 27
+# Where the update runs the shared-prompt layout (`shared_prefix_logprobs`): the prompts' pass, then
+# the responses' on their keys and values. Elsewhere (a GPU) it takes one pass per sequence, as TRL
+# does: a third more tokens computed on bench_ref's rounds, but each layer's operators issued once
+# instead of twice, which is what an accelerator's update waits on (docs/gpu.md: 18,262 against 9,100
+# operators for a bf16 update of a 30-layer model).
+SHARED_PREFIX_DEVICES = ("cpu",)
 PLAIN_HEAD_MODELS = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(final hidden), unscaled
 
 
@@ -121,7 +132,8 @@ def head_logprobs(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, tempe
     """Each row's log-prob of its target under softmax(x w^T / temperature), and its entropy when
     asked: x [N, H] final hidden states, w [V, H] the output head's weight, targets [N]. Float32,
     differentiable in x and w; no [N, V] tensor is kept (`_HeadLogprobs`)."""
-    rows = max(1, HEAD_BLOCK_ELEMENTS // w.shape[0])
+    block = HEAD_BLOCK_ELEMENTS if x.device.type == "cpu" else ACCELERATOR_HEAD_BLOCK_ELEMENTS
+    rows = max(1, block // w.shape[0])
     lp, ent = _HeadLogprobs.apply(x.contiguous(), w, targets.contiguous(), float(temperature), with_entropy, rows)
     return lp, (ent if with_entropy else None)
 
@@ -267,17 +279,20 @@ def hf_checkpointing(module: torch.nn.Module):
 
 def response_logprobs(module: torch.nn.Module, part: PackedBatch, temperature: float,
                       with_entropy: bool = False, checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of a packed batch's response tokens: prompts that several samples
-    share run once (`shared_prefix_logprobs`), else one pass per sequence (`token_logprobs`); the
-    fused passes of `trainer.fasttrain` always take the shared layout (no padding computed).
+    """Log-probs (and entropy) of a packed batch's response tokens: on a CPU prompts that several
+    samples share run once (`shared_prefix_logprobs`), else, and off the CPU (SHARED_PREFIX_DEVICES),
+    one pass per sequence (`token_logprobs`); the fused passes of `trainer.fasttrain` always take the
+    shared layout (no padding computed).
     `checkpoint` (grpo.gradient_checkpointing): each layer's activations are made again in the
     backward pass instead of kept. The model's own layers drop the KV cache when they checkpoint,
     so there it takes one pass per sequence."""
-    plen = part.prompt_len.tolist()
     fused = fasttrain.unsupported(module) is None
     if checkpoint and not fused:
         with hf_checkpointing(module):
             return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
+    if not fused and part.ids.device.type not in SHARED_PREFIX_DEVICES:
+        return token_logprobs(module, part.ids, part.attn, with_entropy=with_entropy, temperature=temperature)
+    plen = part.prompt_len.tolist()
     if fused or len({tuple(part.ids[i, : plen[i]].tolist()) for i in range(len(plen))}) < len(plen):
         return shared_prefix_logprobs(module, part.ids, part.attn, part.prompt_len, with_entropy, temperature,
                                       checkpoint)
