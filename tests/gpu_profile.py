@@ -5,14 +5,21 @@
    samples x 128 new tokens, T = 1), fp32 and bf16, with q/k/v and gate/up as fused products and
    without: tokens/s of a whole call, the captured step's replay alone (so the host's per-step work
    is the difference), and the kernels of one replayed step from torch.profiler.
-2. The GRPO update on the same workload, fp32 and bf16, at ZeRO stage 0 and 1: each phase of a round
-   (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
+2. The GRPO update on the same workload, bf16 at ZeRO stage 0 and 2, fp32 at 0 and 1: each phase of a
+   round (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
    synchronised around it, and the operators that take the device's time.
+3. `ops` (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators one bf16 GRPO update
+   issues, by phase, posttrain's and TRL's, on `smollm2-ops` (SmolLM2's 30 layers and head counts at
+   a 32nd of its width: the count depends on the layers, not their width or the device). On a GPU the
+   update is bound by the host issuing operators (docs/gpu.md), so this count predicts its time
+   where there is no GPU to measure it. On a CPU posttrain runs as it would on a GPU (one pass per
+   sequence, the accelerator's head blocks).
 
 Prints a table at the end; the JSON goes to $OUT/profile.json (or gpu-out/)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -177,11 +184,122 @@ def update_profile(precision: str, stage: int, shape_name: str = "smollm2-gpu") 
     return out
 
 
+class _Ops:
+    """Counts the ATen operators dispatched inside `with` (autograd's backward included), and the
+    device synchronisations among them (a tensor's value read by the host)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = collections.Counter()
+        self.on = True
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if outer.on:
+                    counts[str(func.overloadpacket)] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def row(self) -> dict:
+        return {"operators": sum(self.counts.values()),
+                "host_reads": self.counts["aten._local_scalar_dense"] + self.counts["aten.nonzero"],
+                "top": self.counts.most_common(8)}
+
+
+def update_operators(precision: str = "bf16") -> dict:
+    """`ops`: the operators of one GRPO update (the last measured round's), posttrain's by phase and
+    TRL's (its training step less generation, and its optimizer step)."""
+    import trl
+
+    import trainer.grpo as G
+    from tests import bench_ref
+    from trainer.rl import logprobs
+
+    shape = bench_ref.SHAPES["smollm2-ops"]
+    out: dict[str, dict] = {}
+    phases: dict[str, _Ops] = {}
+
+    def counted(name, f):
+        def run(*a, **k):
+            with phases.setdefault(name, _Ops()):
+                return f(*a, **k)
+        return run
+
+    train_step, generate, adamw = (trl.GRPOTrainer.training_step, trl.GRPOTrainer._generate_single_turn,
+                                   torch.optim.AdamW.step)
+
+    def step_less_generation(self, *a, **k):  # the last step's count is kept, and its optimizer step's
+        phases.clear()
+        with phases.setdefault("update", _Ops()):
+            return train_step(self, *a, **k)
+
+    def paused(self, *a, **k):  # generation is not the update's
+        ops = phases.get("update")
+        if ops is not None:
+            ops.on = False
+        try:
+            return generate(self, *a, **k)
+        finally:
+            if ops is not None:
+                ops.on = True
+
+    trl.GRPOTrainer.training_step, trl.GRPOTrainer._generate_single_turn = step_less_generation, paused
+    torch.optim.AdamW.step = lambda self, *a, **k: counted("optimizer step", adamw)(self, *a, **k)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_ref.run_trl(shape, Path(tmp), precision)
+    finally:
+        trl.GRPOTrainer.training_step, trl.GRPOTrainer._generate_single_turn = train_step, generate
+        torch.optim.AdamW.step = adamw
+    out["TRL"] = {k: v.row() for k, v in phases.items()}
+    phases.clear()
+    # TRL first: posttrain's run turns on torch's deterministic algorithms for the process, which
+    # changes the operators TRL's update issues (bench_ref's sessions each run in their own process)
+    if not torch.cuda.is_available():  # posttrain's update as it runs off the CPU
+        logprobs.SHARED_PREFIX_DEVICES = ()
+        logprobs.HEAD_BLOCK_ELEMENTS = logprobs.ACCELERATOR_HEAD_BLOCK_ELEMENTS
+    update, response_logprobs, step = G.GRPOTrainer.update, G.response_logprobs, G.ds.step
+
+    def one_update(self, batch):
+        phases.clear()
+        backward = self.ds.backward
+        self.ds.backward = counted("backward", backward)
+        try:
+            with phases.setdefault("update", _Ops()):
+                return update(self, batch)
+        finally:
+            self.ds.backward = backward
+
+    G.GRPOTrainer.update, G.response_logprobs = one_update, counted("forward", response_logprobs)
+    G.ds.step = counted("optimizer step", step)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_ref.run_posttrain(shape, Path(tmp), precision)
+    finally:
+        G.GRPOTrainer.update, G.response_logprobs, G.ds.step = update, response_logprobs, step
+    out["posttrain"] = {k: v.row() for k, v in phases.items()}
+    for tool, rows in out.items():
+        print(f"{tool:<10} " + "  ".join(f"{k} {v['operators']:,} ops ({v['host_reads']} host reads)"
+                                         for k, v in rows.items()), flush=True)
+    return out
+
+
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("tests.gpu_profile measures a CUDA device; this machine has none")
-    which = sys.argv[1:] or ["decode", "update"]
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    which = sys.argv[1:] or ["decode", "update", "ops"]
+    if not torch.cuda.is_available() and which != ["ops"]:
+        sys.exit("tests.gpu_profile measures a CUDA device; this machine has none (`ops` runs anywhere)")
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__}
     path = Path(os.environ.get("OUT", "gpu-out")) / "profile.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if "decode" in which:
@@ -189,7 +307,7 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=1))
     if "update" in which:
         res["update"] = {}
-        for precision, stage in (("bf16", 0), ("bf16", 1), ("fp32", 0), ("fp32", 1)):
+        for precision, stage in (("bf16", 0), ("bf16", 2), ("fp32", 0), ("fp32", 1)):
             try:
                 res["update"][f"{precision} ZeRO-{stage}"] = update_profile(precision, stage)
             except Exception as e:  # one failing setting leaves the others their turn
@@ -197,6 +315,9 @@ def main() -> None:
                 print(f"update {precision} ZeRO-{stage} failed: {e!r}"[-800:], flush=True)
             path.write_text(json.dumps(res, indent=1))
             torch.cuda.empty_cache()
+    if "ops" in which:
+        res["ops"] = update_operators()
+        path.write_text(json.dumps(res, indent=1))
     for label, row in res.get("decode", {}).items():
         print(f"\n{label}: top kernels of one replayed step (us over 8 steps)")
         for k in row.get("top_kernels", [])[:10]:
