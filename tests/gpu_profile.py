@@ -8,12 +8,12 @@
 2. The GRPO update on the same workload, bf16 at ZeRO stage 0 and 2, fp32 at 0 and 1: each phase of a
    round (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
    synchronised around it, and the operators that take the device's time.
-3. `ops` (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators one bf16 GRPO update
-   issues, by phase, posttrain's and TRL's, on `smollm2-ops` (SmolLM2's 30 layers and head counts at
+3. `ops` (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators one GRPO update
+   issues, bf16 and fp32, by phase, posttrain's and TRL's, on `smollm2-ops` (SmolLM2's 30 layers and head counts at
    a 32nd of its width: the count depends on the layers, not their width or the device). On a GPU the
    update is bound by the host issuing operators (docs/gpu.md), so this count predicts its time
    where there is no GPU to measure it. On a CPU posttrain runs as it would on a GPU (one pass per
-   sequence, the accelerator's head blocks).
+   sequence through the model's own layers, the accelerator's head blocks).
 
 Prints a table at the end; the JSON goes to $OUT/profile.json (or gpu-out/)."""
 
@@ -265,10 +265,12 @@ def update_operators(precision: str = "bf16") -> dict:
     phases.clear()
     # TRL first: posttrain's run turns on torch's deterministic algorithms for the process, which
     # changes the operators TRL's update issues (bench_ref's sessions each run in their own process)
-    if not torch.cuda.is_available():  # posttrain's update as it runs off the CPU
+    update, response_logprobs, step = G.GRPOTrainer.update, G.response_logprobs, G.ds.step
+    layout = logprobs.SHARED_PREFIX_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS, logprobs.fasttrain.unsupported
+    if not torch.cuda.is_available():  # posttrain's update as it runs off the CPU (no compiled CPU passes)
         logprobs.SHARED_PREFIX_DEVICES = ()
         logprobs.HEAD_BLOCK_ELEMENTS = logprobs.ACCELERATOR_HEAD_BLOCK_ELEMENTS
-    update, response_logprobs, step = G.GRPOTrainer.update, G.response_logprobs, G.ds.step
+        logprobs.fasttrain.unsupported = lambda _m: "a GPU (emulated)"
 
     def one_update(self, batch):
         phases.clear()
@@ -287,11 +289,28 @@ def update_operators(precision: str = "bf16") -> dict:
             bench_ref.run_posttrain(shape, Path(tmp), precision)
     finally:
         G.GRPOTrainer.update, G.response_logprobs, G.ds.step = update, response_logprobs, step
+        logprobs.SHARED_PREFIX_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS, logprobs.fasttrain.unsupported = layout
     out["posttrain"] = {k: v.row() for k, v in phases.items()}
     for tool, rows in out.items():
-        print(f"{tool:<10} " + "  ".join(f"{k} {v['operators']:,} ops ({v['host_reads']} host reads)"
+        print(f"{precision} {tool:<10} " + "  ".join(f"{k} {v['operators']:,} ops ({v['host_reads']} host reads)"
                                          for k, v in rows.items()), flush=True)
     return out
+
+
+def _in_own_process(function: str, *args: str) -> dict:
+    """`function(*args)` of this module in a fresh interpreter: torch's deterministic switch, which a
+    posttrain run turns on, stays on for its process and changes the operators of what runs after."""
+    import subprocess
+
+    code = (f"import json, sys; from tests import gpu_profile as P; r = P.{function}(*{list(args)!r}); "
+            "sys.stdout.write('RESULT ' + json.dumps(r) + '\\n')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("RESULT ")]
+    print("\n".join(line for line in lines if line.startswith(tuple(args))), flush=True)
+    found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not found:
+        return {"error": (proc.stderr or proc.stdout)[-800:]}
+    return json.loads(found[-1])
 
 
 def main() -> None:
@@ -316,7 +335,7 @@ def main() -> None:
             path.write_text(json.dumps(res, indent=1))
             torch.cuda.empty_cache()
     if "ops" in which:
-        res["ops"] = update_operators()
+        res["ops"] = {precision: _in_own_process("update_operators", precision) for precision in ("bf16", "fp32")}
         path.write_text(json.dumps(res, indent=1))
     for label, row in res.get("decode", {}).items():
         print(f"\n{label}: top kernels of one replayed step (us over 8 steps)")
