@@ -140,7 +140,11 @@ def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip:
     Left to itself DeepSpeed would run stage 0 in bf16 through its fp16 optimizer, unfused (each
     parameter's overflow check, norm and copies apart: about 25 operators a parameter a step, and a
     device synchronisation for each, against 2 here; docs/gpu.md), and stage 1 through the ZeRO
-    optimizer with bf16 gradients. Stages 2 and 3 keep DeepSpeed's defaults."""
+    optimizer with bf16 gradients. Each parameter's gradient joins the fp32 sum as the backward pass
+    makes it (`immediate_grad_update`): DeepSpeed's other way, adding the bf16 gradients after each
+    backward, never clears them between micro-batches here, so the earlier ones were added again
+    (a 1.8x gradient over 3 micro-batches, tests/test_grpo_update.py). Stages 2 and 3 keep
+    DeepSpeed's defaults."""
     bf16 = ds.precision == "bf16"
     stage = ds.zero_stage
     config: dict[str, Any] = {
@@ -155,6 +159,7 @@ def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip:
     }
     if bf16 and stage <= 1:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["bf16"]["immediate_grad_update"] = True
     return config
 
 
