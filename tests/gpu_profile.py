@@ -8,12 +8,13 @@
 2. The GRPO update on the same workload, bf16 at ZeRO stage 0 and 2, fp32 at 0 and 1: each phase of a
    round (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
    synchronised around it, and the operators that take the device's time.
-3. `ops` (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators one GRPO update
-   issues, bf16 and fp32, by phase, posttrain's and TRL's, on `smollm2-ops` (SmolLM2's 30 layers and head counts at
-   a 32nd of its width: the count depends on the layers, not their width or the device). On a GPU the
-   update is bound by the host issuing operators (docs/gpu.md), so this count predicts its time
-   where there is no GPU to measure it. On a CPU posttrain runs as it would on a GPU (one pass per
-   sequence through the model's own layers, the accelerator's head blocks).
+3. `ops`, asked for by name (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators
+   one GRPO update issues, bf16 and fp32, by phase, posttrain's and TRL's, on `smollm2-ops`
+   (SmolLM2's 30 layers and head counts at a 32nd of its width: the count depends on the layers,
+   not their width or the device). On a GPU the update is bound by the host issuing operators
+   (docs/gpu.md), so this count predicts its time where there is no GPU to measure it. On a CPU
+   posttrain runs as it would on a GPU (one pass per sequence through the model's own layers, the
+   accelerator's head blocks).
 
 Prints a table at the end; the JSON goes to $OUT/profile.json (or gpu-out/)."""
 
@@ -314,7 +315,7 @@ def _in_own_process(function: str, *args: str) -> dict:
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["decode", "update", "ops"]
+    which = sys.argv[1:] or ["decode", "update"]
     if not torch.cuda.is_available() and which != ["ops"]:
         sys.exit("tests.gpu_profile measures a CUDA device; this machine has none (`ops` runs anywhere)")
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
