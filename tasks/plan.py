@@ -68,6 +68,8 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
 
 def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
+    if ds.precision == "bf16" and ds.zero_stage == 0:
+        head += " (DeepSpeed's bf16 optimizer, which is ZeRO stage 1's: trainer.engine.ds_config)"
     if not ds.launched:
         return [f"  runs in the task's process: 1 rank, {head}"]
     # on an s3:// root, the work folder is named by the lease token of the run that computes it

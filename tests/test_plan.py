@@ -79,3 +79,10 @@ def test_tiny_preset_plan_is_in_process(capsys):
     assert main(["speedrun", "--preset", "tiny", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "in-process HF engine" in out and "1 rank, zero_stage=1 precision=fp32" in out
+
+
+def test_bf16_at_stage_0_is_planned_as_what_it_runs(tmp_path, capsys):
+    """bf16 at ZeRO stage 0 runs DeepSpeed's bf16 optimizer, which is stage 1's: the plan says so."""
+    code, out = dry(tmp_path, capsys, "--set", "grpo.deepspeed.zero_stage=0")
+    assert code == 0, out
+    assert "zero_stage=0 precision=bf16 (DeepSpeed's bf16 optimizer, which is ZeRO stage 1's" in out

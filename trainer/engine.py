@@ -151,7 +151,7 @@ def ds_config(ds: DeepSpeedConfig, micro_batch: int, grad_accum: int, grad_clip:
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": max(stage, 1) if bf16 and stage <= 1 else stage},
+        "zero_optimization": {"stage": 1 if bf16 and stage == 0 else stage},
         "bf16": {"enabled": bf16},
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
