@@ -123,11 +123,36 @@ def greedy(engine, prompts, n_tokens: int = 20):
     return engine.generate(prompts, SamplingParams(max_new_tokens=n_tokens, temperature=0.0))
 
 
+TIE = 1e-3  # two tokens whose log-probs differ by less: a tie that float rounding may break either way
+
+
 def compare(hf_gens, sg_gens) -> tuple[int, float, float]:
-    """(greedy sequences identical, max and mean |logprob difference| over the tokens of those)."""
-    same = [(a, b) for a, b in zip(hf_gens, sg_gens) if a.token_ids == b.token_ids]
-    diffs = [abs(x - y) for a, b in same for x, y in zip(a.logprobs, b.logprobs)]
-    return len(same), max(diffs, default=0.0), sum(diffs) / max(len(diffs), 1)
+    """(greedy sequences that agree, max and mean |logprob difference| over the tokens they share).
+    Two sequences agree when identical, or when they part at a near tie: at the first token where
+    they differ, each engine's choice has a log-prob within TIE of the other's. Two engines' float
+    rounding breaks such a tie either way (seen once in 12 sequences after a LoRA update, every other
+    token within 1.5e-5); weights that differ part the sequences by more, and share fewer tokens."""
+    agree, diffs = 0, []
+    for a, b in zip(hf_gens, sg_gens):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        shared = min(len(a.token_ids), len(b.token_ids)) if n is None else n
+        diffs += [abs(x - y) for x, y in zip(a.logprobs[:shared], b.logprobs[:shared])]
+        if n is None:
+            agree += len(a.token_ids) == len(b.token_ids)
+        else:
+            agree += abs(a.logprobs[n] - b.logprobs[n]) < TIE
+    return agree, max(diffs, default=0.0), sum(diffs) / max(len(diffs), 1)
+
+
+def test_greedy_sequences_agree_when_identical_or_parted_at_a_near_tie():
+    from types import SimpleNamespace as G
+
+    a = G(token_ids=[5, 6, 7], logprobs=[-0.1, -0.69310, -0.2])
+    tie = G(token_ids=[5, 8, 9], logprobs=[-0.1, -0.69320, -0.3])  # token 8 within TIE of token 6
+    apart = G(token_ids=[5, 8, 9], logprobs=[-0.1, -1.2, -0.3])
+    shorter = G(token_ids=[5, 6], logprobs=[-0.1, -0.69310])
+    assert compare([a, a, a, a], [a, tie, apart, shorter])[0] == 2
+    assert compare([a], [tie])[1] == 0.0  # log-probs compared up to where they part
 
 
 def test_a_server_whose_port_was_taken_is_launched_again_on_another(servers):
@@ -146,7 +171,7 @@ def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tin
     hf, sg = greedy(HFEngine(model, tiny_tokenizer), prompts), greedy(servers, prompts)
     assert len({tuple(g.token_ids) for g in hf}) > 1  # outputs differ between prompts: a real comparison
     same, max_d, mean_d = compare(hf, sg)
-    print(f"\ngreedy identical {same}/{len(prompts)}; logprob |diff| max {max_d:.2e} mean {mean_d:.2e}")
+    print(f"\ngreedy agree {same}/{len(prompts)}; logprob |diff| max {max_d:.2e} mean {mean_d:.2e}")
     assert same == len(prompts)
     assert max_d < MAX_DIFF and mean_d < MEAN_DIFF
     assert all(g.finish_reason in ("stop", "length") for g in sg)
@@ -404,7 +429,7 @@ def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_mod
         after = greedy(servers, prompts)
         assert [g.token_ids for g in after] != [g.token_ids for g in before]  # the served policy changed
         same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), after)
-        print(f"\nafter sync by {sync_by} ({stats['time/sync_seconds']:.2f} s): greedy identical "
+        print(f"\nafter sync by {sync_by} ({stats['time/sync_seconds']:.2f} s): greedy agree "
               f"{same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
         assert same == len(prompts) and max_d < MAX_DIFF and mean_d < MEAN_DIFF
         # by tensor: no folder written, and no shared-memory file left behind
@@ -454,7 +479,7 @@ def test_a_lora_policy_reaches_the_servers_merged_after_each_update(servers, bas
             served.append(greedy(servers, prompts))
             assert [g.token_ids for g in served[-1]] != [g.token_ids for g in served[-2]]  # the new adapters
             same, max_d, mean_d = compare(greedy(HFEngine(trainer.ds.module, tiny_tokenizer), prompts), served[-1])
-            print(f"\nLoRA, after sync: greedy identical {same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
+            print(f"\nLoRA, after sync: greedy agree {same}/{len(prompts)}; |diff| max {max_d:.2e} mean {mean_d:.2e}")
             assert same == len(prompts) and max_d < MAX_DIFF and mean_d < MEAN_DIFF
         # the trainer's base stayed frozen: with the adapters off the policy is the served base
         with trainer.ds.module.disable_adapter():
