@@ -80,6 +80,21 @@ def step_pattern(n_samples: int, mini_batches: int, micro: int) -> list[bool]:
 GROUP_COUNTS = [3, 2, 3, 5, 1]  # 12, 8, 12, 20, 4 samples: 3, 2, 3, 5, 1 micro-batches per mini-batch
 
 
+def saved_after_3_then_resumed(cfg, tok, work) -> GRPOTrainer:
+    """GROUP_COUNTS' first 3 rounds (3 + 2 + 3 micro-batches per mini-batch), a checkpoint, then a
+    new trainer that resumes from it and runs the rest."""
+    vocab = len(tok)
+    first = make_trainer(cfg, tok, work)
+    for r, groups in enumerate(GROUP_COUNTS[:3], start=1):
+        first.publish(first.update(make_batch(r, groups, 4, vocab, seed=r)))
+    first.save()
+    resumed = make_trainer(cfg, tok, work)
+    assert resumed.resumed_from == 3
+    for r, groups in enumerate(GROUP_COUNTS[3:], start=4):
+        resumed.publish(resumed.update(make_batch(r, groups, 4, vocab, seed=r)))
+    return resumed
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_optimizer_steps_land_at_mini_batch_ends_whatever_the_group_count(tiny_tokenizer, tmp_path, zero_stage):
     cfg = make_cfg("grpo.mini_batches=2", "grpo.micro_batch_size=2", "grpo.lr=1e-3",
@@ -172,15 +187,7 @@ def test_bf16_steps_on_flat_fp32_masters_with_few_operators_and_resumes_exactly(
     # the boundary micro-batch's step is the optimizer's: 2 operators a parameter and a few dozen
     # besides (101 for these 11 parameters; DeepSpeed's unfused fp16 optimizer at stage 0: 286)
     assert max(counts) <= 3 * len(params) + 100, (max(counts), len(params))
-    first = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
-    for r, groups in enumerate(GROUP_COUNTS[:3], start=1):
-        first.publish(first.update(make_batch(r, groups, 4, vocab, seed=r)))
-    first.save()
-    resumed = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
-    assert resumed.resumed_from == 3
-    for r, groups in enumerate(GROUP_COUNTS[3:], start=4):
-        resumed.publish(resumed.update(make_batch(r, groups, 4, vocab, seed=r)))
-    assert resumed.state_hash() == full.state_hash()
+    assert saved_after_3_then_resumed(cfg, tiny_tokenizer, tmp_path / "crash").state_hash() == full.state_hash()
 
 
 def test_a_due_checkpoint_waits_for_checkpoint_min_seconds_since_the_last(tiny_tokenizer, tmp_path):
@@ -213,15 +220,7 @@ def test_resume_is_exact_across_rounds_with_different_group_counts(tiny_tokenize
     full = make_trainer(cfg, tiny_tokenizer, tmp_path / "full")
     for r, groups in enumerate(GROUP_COUNTS, start=1):
         full.publish(full.update(make_batch(r, groups, 4, vocab, seed=r)))
-    first = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
-    for r, groups in enumerate(GROUP_COUNTS[:3], start=1):
-        first.publish(first.update(make_batch(r, groups, 4, vocab, seed=r)))
-    first.save()  # after round 3: 3 + 2 + 3 micro-batches per mini-batch so far
-    resumed = make_trainer(cfg, tiny_tokenizer, tmp_path / "crash")
-    assert resumed.resumed_from == 3
-    for r, groups in enumerate(GROUP_COUNTS[3:], start=4):
-        resumed.publish(resumed.update(make_batch(r, groups, 4, vocab, seed=r)))
-    assert resumed.state_hash() == full.state_hash()
+    assert saved_after_3_then_resumed(cfg, tiny_tokenizer, tmp_path / "crash").state_hash() == full.state_hash()
 
 
 # ---------------------------------------------------------------- a skipped round
