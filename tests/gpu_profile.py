@@ -2,9 +2,10 @@
 (`tests/gpu_session.sh`); CUDA only. Run from the project root: `python -m tests.gpu_profile`.
 
 1. The fixed-shape decoder on `bench_ref`'s smollm2-gpu workload (SmolLM2-135M, 16 prompts x 8
-   samples x 128 new tokens, T = 1), fp32 and bf16, with q/k/v and gate/up as fused products and
-   without: tokens/s of a whole call, the captured step's replay alone (so the host's per-step work
-   is the difference), and the kernels of one replayed step from torch.profiler.
+   samples x 128 new tokens, T = 1), fp32 and bf16, with sampling and the step's bookkeeping
+   captured as a graph of their own and eagerly: tokens/s of a whole call, the captured step's replay
+   alone and the captured sampling's (so the host's per-step work is the rest), and the kernels of one
+   replayed step from torch.profiler.
 2. The GRPO update on the same workload, bf16 at ZeRO stage 0 and 2, fp32 at 0 and 1: each phase of a
    round (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
    synchronised around it, and the operators that take the device's time.
@@ -65,23 +66,31 @@ def decode_profile() -> dict:
     from tests.bench_ref import SHAPES, pretrained_folder, problems
     from trainer.chat import encode_prompt
     from trainer.engine import deterministic
-    from trainer.inference.cuda import StaticDecoder
+    from trainer.inference.cpu import sample
+    from trainer.inference.cuda import StaticDecoder, race
     from trainer.model import load_model
     from trainer.tokenizer import load_tokenizer
 
     deterministic()
+    out = {"samplers": {}}
+
+    scores = torch.randn(128, 49152, device="cuda")  # a smollm2-gpu step's rows over SmolLM2's vocabulary
+    for name, draw in (("inverse CDF (the CPU decoder's)", sample), ("Gumbel-max race (the fixed decoder's)", race)):
+        draw(scores)
+        t, _ = _sync_time(lambda: [draw(scores) for _ in range(100)])
+        out["samplers"][name] = 1e3 * t / 100
+        print(f"sampler {name:<40} {out['samplers'][name]:.3f} ms a step", flush=True)
     shape = SHAPES["smollm2-gpu"]
     folder = pretrained_folder(shape)
     tok = load_tokenizer(folder)
     prompts = [encode_prompt(tok, [{"role": "user", "content": p["question"]}])
                for p in problems(shape.prompts) for _ in range(shape.samples)]
     new = shape.new_tokens
-    out = {}
     for dtype in ("float32", "bfloat16"):
         model = load_model(folder, dtype).to("cuda").eval()
-        for fuse in (False, True):
+        for captured in (False, True):  # sampling and the step's bookkeeping eagerly, or captured too
             dec = StaticDecoder(model, graphs=True)
-            dec.fuse = fuse
+            dec.graph_advance = captured
             chosen = G.decoder_for
             G.decoder_for = lambda _m, _d=dec: _d
             try:
@@ -112,10 +121,15 @@ def decode_profile() -> dict:
                                               if (getattr(e, "device_time_total", 0) or 0) > 0
                                               and not e.key.startswith(("aten::", "cuda"))) / 8
                 row["top_kernels"] = kernels
-            label = f"{'fp32' if dtype == 'float32' else 'bf16'} {'fused' if fuse else 'unfused'}"
+                advances = [g for g in st.advances.values() if g is not None]
+                if advances:  # last: each replay moves the state's column on, past the cache's width
+                    t, _ = _sync_time(lambda: [advances[0].replay() for _ in range(reps)])
+                    row["advance_replay_ms"] = 1e3 * t / reps
+            label = f"{'fp32' if dtype == 'float32' else 'bf16'} {'captured' if captured else 'eager'} sampling"
             out[label] = row
-            print(f"decode {label:<14} {row['tokens_per_second']:>9,.0f} tok/s  call {row['call_seconds']:.3f}s  "
+            print(f"decode {label:<22} {row['tokens_per_second']:>9,.0f} tok/s  call {row['call_seconds']:.3f}s  "
                   f"step {row.get('step_ms', 0):.2f} ms  replay {row.get('replay_ms', 0):.2f} ms  "
+                  f"advance {row.get('advance_replay_ms', 0):.2f} ms  "
                   f"kernels/step {row.get('kernels_per_step', 0):.0f}", flush=True)
             del dec
         del model
@@ -339,6 +353,8 @@ def main() -> None:
         res["ops"] = {precision: _in_own_process("update_operators", precision) for precision in ("bf16", "fp32")}
         path.write_text(json.dumps(res, indent=1))
     for label, row in res.get("decode", {}).items():
+        if label == "samplers":
+            continue
         print(f"\n{label}: top kernels of one replayed step (us over 8 steps)")
         for k in row.get("top_kernels", [])[:10]:
             print(f"  {k['us']:>9.0f}  {k['calls']:>5}  {k['kernel']}")

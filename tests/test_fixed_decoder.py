@@ -17,7 +17,7 @@ from tests.bench_ref import problems
 from tests.test_fastgen import _hf_greedy, _model, _prompts, char_tok  # noqa: F401 (a fixture)
 from trainer.chat import encode_prompt
 from trainer.inference.cpu import FastDecoder
-from trainer.inference.cuda import StaticDecoder, bucket
+from trainer.inference.cuda import StaticDecoder, _Fixed, bucket
 from trainer.inference.generate import StopStrings, decoder_for, generate
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.trajectory import Sample, pack
@@ -177,6 +177,41 @@ def test_one_hot_column_writes_decode_as_index_copy_does(char_tok):
     assert sum(len(t) for t in got[True][0]) > 150
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p):
+    """`_advance` draws in tensor ops only (it is captured on CUDA); with top_p it draws in sorted
+    order and maps the draw back by a gather. Over 8,192 rows of the same logits the tokens'
+    frequencies are softmax(logits / T) renormalised over the head HF's TopPLogitsWarper keeps, a
+    dropped token is never drawn, each log-prob is the unmasked one, and the state moved one step."""
+    model = _model("llama", char_tok)  # (the decoder holds it weakly)
+    dec = StaticDecoder(model, graphs=False)
+    dec._pack()
+    rows, V, T, eos = 8192, 40, 0.7, 3
+    st = _Fixed(dec, rows, 8)
+    st.col.fill_(4)
+    st.temperature.fill_(T)
+    st.top_p.fill_(top_p)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2
+    torch.manual_seed(0)
+    dec._advance(st, logits.expand(rows, V).clone(), (False, top_p < 1, True, eos, False))
+    p = torch.softmax(logits / T, -1)
+    ordered, order = p.sort()
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_p < 1:
+        drop = ordered.cumsum(-1) <= 1 - top_p
+        drop[-1] = False
+        keep[order[drop]] = False
+    want = torch.where(keep, p, 0) / p[keep].sum()
+    drawn = st.out_tok[:, 0]
+    freq = torch.bincount(drawn, minlength=V) / rows
+    assert (top_p < 1) == bool((~keep).any())
+    assert freq[~keep].sum() == 0
+    assert (freq - want).abs().max() < 0.03, (freq - want).abs().max()  # the largest's sd is about 0.005
+    assert torch.allclose(st.out_lp[:, 0], torch.log_softmax(logits / T, -1)[drawn])
+    assert (st.tok == drawn).all() and (st.ended == (drawn == eos)).all()
+    assert (st.t.item(), st.col.item()) == (1, 5) and st.valid[:, 5].all() and not st.valid[:, 6].any()
+
+
 def test_on_cpu_generation_keeps_the_compiled_decoder(char_tok):
     assert type(decoder_for(_model("llama", char_tok))) is FastDecoder
 
@@ -246,6 +281,46 @@ def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
         torch.use_deterministic_algorithms(was)
     assert got[0] == got[1]  # replayed: the same tokens and log-probs, to the bit
     assert got[0][0] == eager[0]
+
+
+@cuda
+def test_captured_sampling_draws_the_same_whichever_call_captured(char_tok):
+    """Sampling, EOS, min_new and the step's bookkeeping are captured too (`_advance`, one graph per
+    sampling mode). A capture's warm-up draws random numbers; the generator's state is put back
+    after it, so a decoder that captured in an earlier call (an uninterrupted run) and a fresh one
+    (a resumed run, which captures at another round) draw the same tokens from the same seed."""
+    model = _model("llama", char_tok).to("cuda")
+    prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
+    eos, pad = char_tok.eos_token_id, char_tok.pad_token_id
+
+    def run(dec, seed):
+        torch.manual_seed(seed)
+        return dec.decode(prompts, 24, eos, pad, temperature=0.9, top_p=0.9, min_new=3)
+
+    old = StaticDecoder(model, graphs=True)
+    run(old, 1)
+    (st,) = old.shapes.values()
+    assert st.graph is not None and list(st.advances) and all(g is not None for g in st.advances.values())
+    again, fresh = run(old, 2), run(StaticDecoder(model, graphs=True), 2)
+    assert again == fresh
+    toks, lps = again
+    assert all(eos not in t[:3] for t in toks) and len({tuple(t) for t in toks[:4]}) > 1
+    gap, _, n = _trainer_gap(model, char_tok, prompts, toks, lps, 0.9)
+    assert n > 150 and gap < 1e-4, gap
+
+
+@cuda
+def test_stop_strings_end_rows_in_graphs_where_they_end_eagerly(char_tok):
+    model = _model("qwen2", char_tok).to("cuda")
+    prompts, eos, pad = _prompts(char_tok, 20), char_tok.eos_token_id, char_tok.pad_token_id
+    eager = StaticDecoder(model, graphs=False)
+    free, _ = eager.decode(prompts, 30, eos, pad)
+    stopper = StopStrings(char_tok, tuple(dict.fromkeys(char_tok.decode(t[4:6]) for t in free if len(t) > 8))[:3])
+    want = eager.decode(prompts, 30, eos, pad, stop=stopper)
+    dec = StaticDecoder(model, graphs=True)
+    got = [dec.decode(prompts, 30, eos, pad, stop=stopper) for _ in range(2)]
+    assert got[0][0] == got[1][0] == want[0]
+    assert sum(len(g) < len(f) for g, f in zip(want[0], free)) >= 3
 
 
 def test_a_tokenizer_without_a_pad_token_generates_as_with_eos_for_pad(char_tok):

@@ -18,6 +18,14 @@ from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, d
 log = logging.getLogger(__name__)
 
 
+def race(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row with probability softmax(scores) (the Gumbel-max draw): the row's argmax of
+    scores + G, G = -log(-log U) with U uniform on [0, 1), one U a token. Elementwise passes and one
+    reduction, no prefix sum. U = 0 gives G = -inf (that token is not drawn: a bias of 2^-24 at
+    most); a -inf score is never drawn."""
+    return (scores - torch.rand_like(scores).log_().neg_().log_()).argmax(-1)
+
+
 def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`_rms` in fewer kernels for the GPU's decoding step: torch's fused RMSNorm on the float32
     values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
@@ -55,6 +63,18 @@ class _Fixed:
         self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
         self.graph = None
         self.logits: torch.Tensor | None = None  # the captured step's output, rewritten by each replay
+        # what `StaticDecoder._advance` keeps on the device between steps: the step index, every
+        # step's tokens and log-probs so far (a column a step), which rows have ended, and the
+        # call's sampling settings as tensors (so one captured advance serves every call of its mode)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.columns = torch.arange(width, device=dev)
+        self.out_tok = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(rows, width, dtype=torch.float32, device=dev)
+        self.ended = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=dev)
+        self.min_new = torch.zeros(1, dtype=torch.long, device=dev)
+        self.advances: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # per sampling mode; None: eager
 
 
 class StaticDecoder(FastDecoder):
@@ -69,9 +89,11 @@ class StaticDecoder(FastDecoder):
       every later call of the same shape.
     - A prompt shared by a group's samples is prefilled once (eagerly: one call a batch), its cache
       rows copied to the samples.
-    - Sampling, the sampler's log-probs, EOS and `min_new` run on the device; without stop strings
-      the host looks every `CHECK_EVERY` steps whether every row has ended (one sync), with them
-      every step (the text is decoded on the host).
+    - Sampling, the sampler's log-probs, EOS, `min_new` and the step's bookkeeping (the token fed
+      back, the cache column, positions, the columns each row sees) are a second captured graph per
+      sampling mode (`_advance`), replayed after each step: between two replays the host issues
+      nothing. Without stop strings it looks every `CHECK_EVERY` steps whether every row has ended
+      (one sync), with them every step (the text is decoded on the host).
     - Finished rows decode on (fixed shapes); their tokens past EOS or a stop are dropped.
     - The graph reads the weights where they were at capture: a weight whose storage moved (a
       resume's `load_state_dict` into new tensors, DeepSpeed replacing `.data`) is noticed at the
@@ -92,6 +114,7 @@ class StaticDecoder(FastDecoder):
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
         self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
+        self.graph_advance = True  # sampling and the step's bookkeeping captured too (False: eagerly, for profiles)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
@@ -183,6 +206,74 @@ class StaticDecoder(FastDecoder):
                 st.logits = self._step(st)
         finally:
             torch.use_deterministic_algorithms(strict, warn_only=warn_only)
+
+    def _advance(self, st: _Fixed, logits: torch.Tensor, mode: tuple) -> None:
+        """Choose step st.t's token of every row from `logits` and move st to the next step, in
+        tensor ops only (no host read, no Python number that changes from call to call), so that it
+        can be captured: the token and its log-prob written at column st.t of the outputs, EOS
+        noted, the token fed back at the next cache column, one position on.
+
+        `mode` is (greedy, top_p in use, log-probs kept, eos, min_new in use); the temperature,
+        top_p and min_new values are read from st's tensors. Tokens are drawn by `race`, in
+        elementwise passes (the CPU decoder's inverse CDF is a prefix sum along each row: on a GPU
+        a long sequential scan over the vocabulary for each few rows). With top_p they are drawn in
+        sorted order (the kept head of the distribution, mapped back by a gather), so no scatter
+        is needed: the distribution of HF's TopPLogitsWarper."""
+        greedy, nucleus, keep_lp, eos, hold_eos = mode
+        scores = logits.float()
+        if not greedy:
+            scores = scores / st.temperature
+        lp_all = torch.log_softmax(scores, dim=-1) if keep_lp else None
+        if hold_eos:
+            scores[:, eos] = torch.where(st.t < st.min_new, float("-inf"), scores[:, eos])
+        if greedy:
+            nxt = scores.argmax(-1)
+        elif nucleus:
+            ordered, order = torch.sort(scores, descending=False)
+            drop = ordered.softmax(-1).cumsum(-1) <= 1 - st.top_p
+            drop[:, -1] = False
+            nxt = order.gather(1, race(ordered.masked_fill(drop, float("-inf")))[:, None]).squeeze(1)
+        else:
+            nxt = race(scores)
+        at = (st.columns == st.t)[None]  # step t's output column, one-hot
+        torch.where(at, nxt[:, None], st.out_tok, out=st.out_tok)
+        if lp_all is not None:
+            torch.where(at, lp_all.gather(1, nxt[:, None]), st.out_lp, out=st.out_lp)
+        st.ended |= nxt == eos
+        st.tok.copy_(nxt)
+        st.t += 1
+        st.col += 1
+        st.valid |= (st.columns == st.col)[None]
+        st.pos += 1
+
+    def _advancer(self, st: _Fixed, mode: tuple) -> torch.cuda.CUDAGraph | None:
+        """st's captured `_advance` for that sampling mode, captured the first time (before the
+        call sets st's state: the warm-up steps write it). The CUDA generator's state is put back
+        after the capture, so a run samples the same numbers whichever call captured (a resumed run
+        captures at another round than the uninterrupted one). None: it runs eagerly (no graphs, or
+        the capture failed)."""
+        if st.graph is None or not self.graph_advance:
+            return None
+        if mode not in st.advances:
+            rng = torch.cuda.get_rng_state()
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._advance(st, st.logits, mode)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._advance(st, st.logits, mode)
+                st.advances[mode] = graph
+            except RuntimeError as e:  # an op this torch cannot capture here: sample eagerly
+                log.warning("CUDA graph capture of the sampling step failed, it runs eagerly: %s", e)
+                torch.cuda.synchronize()
+                st.advances[mode] = None
+            finally:
+                torch.cuda.set_rng_state(rng)
+        return st.advances[mode]
 
     def _run(self, st: _Fixed) -> torch.Tensor:
         if st.graph is None:
@@ -297,36 +388,38 @@ class StaticDecoder(FastDecoder):
             kc[..., :width].copy_(ku[inverse])
             vc[:, :, :width].copy_(vu[inverse])
         del caches
+        mode = (temperature <= 0, temperature > 0 and top_p < 1.0, logprobs, eos, min_new > 0)
+        advance = self._advancer(st, mode)  # before the state is set: a capture's warm-up writes it
         st.valid.copy_(valid)
-        st.pos.copy_(positions[:, -1] + 1)
-        tokens = torch.zeros(rows_n, max_new, dtype=torch.long, device=dev)
-        lps = torch.zeros(rows_n, max_new, dtype=torch.float32, device=dev)
-        ended = torch.zeros(rows_n, dtype=torch.bool, device=dev)
+        st.pos.copy_(positions[:, -1])  # _advance moves each of these one step on before the step runs
+        st.col.fill_(width - 1)
+        st.t.zero_()
+        st.ended.zero_()
+        st.temperature.fill_(temperature if temperature > 0 else 1.0)
+        st.top_p.fill_(top_p)
+        st.min_new.fill_(min_new)
         stopped = [False] * B  # stop strings: rows whose text ended, as the host decodes it
         steps = max_new
         for t in range(max_new):
-            nxt, lp = self._choose(logits, t, eos, temperature, top_p, min_new, logprobs)
-            tokens[:, t] = nxt
-            if lp is not None:
-                lps[:, t] = lp
-            ended |= nxt == eos
+            if advance is None:
+                self._advance(st, logits, mode)
+            else:
+                if t == 0:
+                    st.logits.copy_(logits)  # the prefill's logits, where the captured advance reads them
+                advance.replay()
             if stop is not None:
-                for r, tok in enumerate(nxt[:B].tolist()):
+                for r, tok in enumerate(st.tok[:B].tolist()):
                     if not stopped[r]:
                         out_tok[r].append(tok)
                         stopped[r] = tok == eos or stop(out_tok[r])
             if t == max_new - 1:
                 break
-            if all(stopped) if stop is not None else (t + 1) % CHECK_EVERY == 0 and bool(ended[:B].all()):
+            if all(stopped) if stop is not None else (t + 1) % CHECK_EVERY == 0 and bool(st.ended[:B].all()):
                 steps = t + 1
                 break
-            st.tok.copy_(nxt)
-            st.col.fill_(width + t)
-            st.valid[:, width + t] = True
             logits = self._run(st)
-            st.pos += 1
-        toks = tokens[:B, :steps].tolist()
-        got = lps[:B, :steps].tolist() if logprobs else None
+        toks = st.out_tok[:B, :steps].tolist()
+        got = st.out_lp[:B, :steps].tolist() if logprobs else None
         for r in range(B):
             n = len(out_tok[r]) if stop is not None else (toks[r].index(eos) + 1 if eos in toks[r] else steps)
             out_tok[r] = toks[r][:n]
