@@ -558,6 +558,7 @@ GPU_SESSIONS = [
     ("posttrain fp32, not deterministic", "posttrain", "fp32", [], {"POSTTRAIN_DETERMINISTIC": "0"}),
     ("TRL bf16", "trl", "bf16", [], {}),
     ("posttrain bf16", "posttrain", "bf16", [], {}),
+    ("posttrain bf16, not deterministic", "posttrain", "bf16", [], {"POSTTRAIN_DETERMINISTIC": "0"}),
     ("TRL fp32, continuous batching", "trl", "fp32", ["--batching"], {}),
 ]
 

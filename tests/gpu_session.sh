@@ -11,7 +11,12 @@
 #      BENCH_ALL=1: it ran at a third of plain generate's speed, docs/gpu.md)
 #   4. the smollm2-135m preset through the real CLI (Prefect, MLflow on SQLite), as shipped; then with
 #      POSTTRAIN_DETERMINISTIC=0 where NONDET=1
+# STEPS="profile bench" (say) runs those of tests, profile, bench, speedrun only: a lease can split
+# them over calls (a call takes at most 600 s; the machine and /tmp stay while it is warm).
 set -u
+STEPS=" ${STEPS:-tests profile bench speedrun} "
+[ "${SKIP_TESTS:-0}" = 1 ] && STEPS=${STEPS/ tests / }
+want() { [[ $STEPS == *" $1 "* ]]; }
 O=${OUT:-gpu-out}
 mkdir -p "$O"
 : "${POSTTRAIN_GGUF:?source .gpu/host.sh first: it names the model}"
@@ -27,15 +32,15 @@ step() {  # step SECONDS LOG command...: the command's output appended to LOG, i
 # the GGUF into a safetensors folder once (every later step reads it from the cache) beside the tests
 python3 -c "import os; from trainer.model import resolve_pretrained; print(resolve_pretrained(os.environ['POSTTRAIN_GGUF']))" \
   >>"$O/env.txt" 2>&1 &
-[ "${SKIP_TESTS:-0}" = 1 ] ||
+! want tests ||
   step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py -k "graph or weights_that_move or captured"
 wait
-step 150 profile.txt python3 -m tests.gpu_profile
-SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16"
+! want profile || step 150 profile.txt python3 -m tests.gpu_profile
+SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16;posttrain bf16, not deterministic"
 [ "${BENCH_ALL:-0}" = 1 ] && SESSIONS="$SESSIONS;TRL fp32, continuous batching"
-step 330 bench.txt python3 -m tests.bench --gpu-sessions "$SESSIONS"
-cp bench-results/bench.json "$O/" 2>/dev/null
-step 200 speedrun.txt python3 -m flows.cli speedrun --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF"
+! want bench || { step 360 bench.txt python3 -m tests.bench --gpu-sessions "$SESSIONS"; cp bench-results/bench.json "$O/" 2>/dev/null; }
+! want speedrun ||
+  step 200 speedrun.txt python3 -m flows.cli speedrun --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF"
 [ "${NONDET:-0}" = 1 ] && POSTTRAIN_DETERMINISTIC=0 step 200 speedrun-nondet.txt python3 -m flows.cli speedrun \
   --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF" --recompute grpo
 echo "all steps ran: $SECONDS s" >>"$O/env.txt"
