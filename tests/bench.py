@@ -671,12 +671,14 @@ def main() -> None:
 
     from trainer import kernels
 
+    parts = dict(ONLY)
     if a.gpu_sessions:
         wanted = [x.strip() for x in a.gpu_sessions.split(";")]
         unknown = set(wanted) - {row[0] for row in GPU_SESSIONS}
         if unknown:
             ap.error(f"--gpu-sessions: no session named {sorted(unknown)}; the sessions: {[r[0] for r in GPU_SESSIONS]}")
-        GPU_SESSIONS[:] = [row for row in GPU_SESSIONS if row[0] in wanted]
+        chosen = [row for row in GPU_SESSIONS if row[0] in wanted]
+        parts["gpu"] = (ONLY["gpu"][0], lambda: gpu_side_by_side(sessions=chosen))
     # which compiled variant the posttrain sessions run (POSTTRAIN_KERNELS_ISA picks a narrower one)
     out: dict = {"machine": {"cpu": _cpu(), "threads": 2, "kernels": kernels.variant(),
                              "torch_isa": torch.backends.cpu.get_cpu_capability()}}
@@ -684,7 +686,7 @@ def main() -> None:
     out["machine"]["matmul_gflops"] = gflops
     print(f"fp32 matmul (2048^3, 2 threads): {gflops:.1f} GFLOP/s", flush=True)
     if a.only:  # one part alone, into its own file
-        title, run = ONLY[a.only]
+        title, run = parts[a.only]
         print(title, flush=True)
         out[a.only] = run()
         path = f"bench-results/bench-{a.only}.json"
@@ -694,7 +696,7 @@ def main() -> None:
         return
     if torch.cuda.is_available():  # on a GPU: the GPU's own table and the decoders (issue 43)
         for part in ("gpu", "decode"):
-            title, run = ONLY[part]
+            title, run = parts[part]
             print(title, flush=True)
             out[part] = run()
         Path("bench-results").mkdir(exist_ok=True)
