@@ -26,6 +26,22 @@ def race(scores: torch.Tensor) -> torch.Tensor:
     return (scores - torch.rand_like(scores).log_().neg_().log_()).argmax(-1)
 
 
+def _captured(run: Callable[[], torch.Tensor | None], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+    """`run` captured as a CUDA graph in memory pool `pool`, after two warm-up runs on a side stream
+    (as capture requires: lazy initialisations done, off the stream being captured); the graph and
+    what the captured run returned (its output tensor, rewritten by every replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`_rms` in fewer kernels for the GPU's decoding step: torch's fused RMSNorm on the float32
     values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
@@ -195,15 +211,7 @@ class StaticDecoder(FastDecoder):
         warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(False)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires (lazy inits)
-                for _ in range(2):
-                    self._step(st)
-            torch.cuda.current_stream().wait_stream(side)
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self.pool):
-                st.logits = self._step(st)
+            st.graph, st.logits = _captured(lambda: self._step(st), self.pool)
         finally:
             torch.use_deterministic_algorithms(strict, warn_only=warn_only)
 
@@ -257,16 +265,7 @@ class StaticDecoder(FastDecoder):
         if mode not in st.advances:
             rng = torch.cuda.get_rng_state()
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._advance(st, st.logits, mode)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._advance(st, st.logits, mode)
-                st.advances[mode] = graph
+                st.advances[mode], _ = _captured(lambda: self._advance(st, st.logits, mode), self.pool)
             except RuntimeError as e:  # an op this torch cannot capture here: sample eagerly
                 log.warning("CUDA graph capture of the sampling step failed, it runs eagerly: %s", e)
                 torch.cuda.synchronize()
