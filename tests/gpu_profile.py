@@ -281,9 +281,10 @@ def update_operators(precision: str = "bf16") -> dict:
     # TRL first: posttrain's run turns on torch's deterministic algorithms for the process, which
     # changes the operators TRL's update issues (bench_ref's sessions each run in their own process)
     update, response_logprobs, step = G.GRPOTrainer.update, G.response_logprobs, G.ds.step
-    layout = logprobs.SHARED_PREFIX_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS, logprobs.fasttrain.unsupported
+    layout = (logprobs.SHARED_PREFIX_DEVICES, logprobs.LOGSUMEXP_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS,
+              logprobs.fasttrain.unsupported)
     if not torch.cuda.is_available():  # posttrain's update as it runs off the CPU (no compiled CPU passes)
-        logprobs.SHARED_PREFIX_DEVICES = ()
+        logprobs.SHARED_PREFIX_DEVICES = logprobs.LOGSUMEXP_DEVICES = ()
         logprobs.HEAD_BLOCK_ELEMENTS = logprobs.ACCELERATOR_HEAD_BLOCK_ELEMENTS
         logprobs.fasttrain.unsupported = lambda _m: "a GPU (emulated)"
 
@@ -304,7 +305,8 @@ def update_operators(precision: str = "bf16") -> dict:
             bench_ref.run_posttrain(shape, Path(tmp), precision)
     finally:
         G.GRPOTrainer.update, G.response_logprobs, G.ds.step = update, response_logprobs, step
-        logprobs.SHARED_PREFIX_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS, logprobs.fasttrain.unsupported = layout
+        (logprobs.SHARED_PREFIX_DEVICES, logprobs.LOGSUMEXP_DEVICES, logprobs.HEAD_BLOCK_ELEMENTS,
+         logprobs.fasttrain.unsupported) = layout
     out["posttrain"] = {k: v.row() for k, v in phases.items()}
     for tool, rows in out.items():
         print(f"{precision} {tool:<10} " + "  ".join(f"{k} {v['operators']:,} ops ({v['host_reads']} host reads)"

@@ -126,20 +126,25 @@ def test_shared_prompt_passes_give_the_per_sequence_logprobs_and_gradients(kind,
         assert torch.allclose(a, c, rtol=1e-4, atol=3e-5 * a.abs().max())
 
 
+@pytest.mark.parametrize("devices", [("cpu",), ()], ids=["logsumexp", "fused"])
+@pytest.mark.parametrize("T", [0.7, 1.0])
 @pytest.mark.parametrize("with_entropy", [True, False])
-def test_head_logprobs_match_the_log_softmax_block_by_block(with_entropy, monkeypatch):
+def test_head_logprobs_match_the_log_softmax_block_by_block(with_entropy, T, devices, monkeypatch):
     """`head_logprobs` (the head's log-probs a block of rows at a time, the logits made again in the
     backward pass) gives log_softmax's values, entropies and gradients in the hidden states and the
-    head's weight: blocks of 8 rows over 37 rows (a remainder of 5), a temperature, no rows at all."""
+    head's weight: blocks of 8 rows over 37 rows (a remainder of 5), at temperature 1 (no division)
+    and another, no rows at all; both ways of a block: the CPU's logsumexp and, with the device rule
+    emptied (CUDA is not here), the fused passes an accelerator takes."""
     from trainer.rl import logprobs
 
     torch.manual_seed(0)
-    N, H, V, T = 37, 16, 50, 0.7
+    N, H, V = 37, 16, 50
     x = torch.randn(N, H, dtype=torch.float64).float().requires_grad_(True)
     w = torch.randn(V, H).requires_grad_(True)
     t = torch.randint(0, V, (N,))
     ga, gb = torch.randn(N), torch.randn(N)
     monkeypatch.setattr(logprobs, "HEAD_BLOCK_ELEMENTS", 8 * V)
+    monkeypatch.setattr(logprobs, "LOGSUMEXP_DEVICES", devices)
     lp, ent = logprobs.head_logprobs(x, w, t, T, with_entropy=with_entropy)
     assert (ent is not None) == with_entropy
     got = torch.autograd.grad((lp * ga + (ent * gb if with_entropy else 0)).sum(), [x, w])
@@ -153,6 +158,34 @@ def test_head_logprobs_match_the_log_softmax_block_by_block(with_entropy, monkey
         assert torch.allclose(g, g_want, atol=1e-5 * g_want.abs().max().item())
     empty = logprobs.head_logprobs(x[:0], w, t[:0], T, with_entropy=True)
     assert empty[0].shape == empty[1].shape == (0,)
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_head_logprobs_in_bf16_agree_between_the_two_ways_of_a_block(T, monkeypatch):
+    """In bf16 (the GPU's precision; torch's bf16 products run on the CPU too) the fused block and
+    the logsumexp block start from the same bf16 logits: the log-probs agree to float32 rounding,
+    and the gradients, each rounded to bf16 once, to a bf16 step. SmolLM2's vocabulary, blocks of
+    300 rows over 700, logits of SmolLM2's size (a spread of about 30)."""
+    from trainer.rl import logprobs
+
+    torch.manual_seed(1)
+    N, H, V = 700, 64, 49152
+    x = torch.randn(N, H).bfloat16()
+    w = (torch.randn(V, H) * 0.6).bfloat16()
+    t = torch.randint(0, V, (N,))
+    g = torch.randn(N)
+    monkeypatch.setattr(logprobs, "HEAD_BLOCK_ELEMENTS", 300 * V)
+    out = {}
+    for way, devices in (("logsumexp", ("cpu",)), ("fused", ())):
+        monkeypatch.setattr(logprobs, "LOGSUMEXP_DEVICES", devices)
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, _ = logprobs.head_logprobs(xs, ws, t, T)
+        out[way] = (lp, *torch.autograd.grad((lp * g).sum(), [xs, ws]))
+    (lp_a, dx_a, dw_a), (lp_b, dx_b, dw_b) = out["logsumexp"], out["fused"]
+    assert lp_a.dtype == lp_b.dtype == torch.float32 and dx_b.dtype == dw_b.dtype == torch.bfloat16
+    assert (lp_a - lp_b).abs().max() < 1e-6 * lp_a.abs().max()
+    for a, b in ((dx_a, dx_b), (dw_a, dw_b)):
+        assert (a.float() - b.float()).abs().max() <= 2 ** -7 * a.float().abs().max()
 
 
 def test_head_logprobs_hold_no_rows_by_vocabulary_tensor(tmp_path):
@@ -183,9 +216,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 def test_off_the_cpu_the_update_runs_each_layer_once_a_micro_batch(tmp_path, monkeypatch):
     """`response_logprobs` takes the shared-prompt layout on a CPU (each layer runs twice: the prompts'
     pass, the responses' pass) and one pass per sequence elsewhere (each layer once: a GPU's update
-    waits on the operators it issues, docs/gpu.md). CUDA is not here: the device rule is emptied
-    instead (SHARED_PREFIX_DEVICES), on a model the fused CPU passes do not take (Qwen3's q/k
-    norms), and both layouts give the same log-probs and entropies."""
+    waits on the operators it issues, docs/gpu.md). CUDA is not here: the device rules are emptied
+    instead (SHARED_PREFIX_DEVICES, and LOGSUMEXP_DEVICES for the head's blocks), on a model the
+    fused CPU passes do not take (Qwen3's q/k norms), and both give the same log-probs and entropies."""
     import random
 
     from tests.bench_ref import tokenizer
@@ -206,6 +239,7 @@ def test_off_the_cpu_the_update_runs_each_layer_once_a_micro_batch(tmp_path, mon
     results = {}
     for devices in (("cpu",), ()):
         monkeypatch.setattr(logprobs, "SHARED_PREFIX_DEVICES", devices)
+        monkeypatch.setattr(logprobs, "LOGSUMEXP_DEVICES", devices)
         calls.clear()
         results[devices] = logprobs.response_logprobs(model, b, 0.8, with_entropy=True)
         assert len(calls) == (2 if devices else 1), devices

@@ -36,6 +36,9 @@ ACCELERATOR_HEAD_BLOCK_ELEMENTS = 1 << 27
 # instead of twice, which is what an accelerator's update waits on (docs/gpu.md: 18,262 against 9,100
 # operators for a bf16 update of a 30-layer model).
 SHARED_PREFIX_DEVICES = ("cpu",)
+# Where `_HeadLogprobs` takes each block's log-probs by logsumexp (the CPU's numbers, kept to the bit);
+# elsewhere by torch's fused log_softmax and softmax, fewer passes over each block of logits.
+LOGSUMEXP_DEVICES = ("cpu",)
 PLAIN_HEAD_MODELS = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(final hidden), unscaled
 
 
@@ -73,21 +76,37 @@ def _products(x: torch.Tensor):
 class _HeadLogprobs(torch.autograd.Function):
     """log softmax(x w^T / T)[target] and the entropy of that softmax, row by row, from hidden
     states x [N, H] and the head's weight w [V, H]; the logits of `rows` rows at a time, made again
-    in the backward pass rather than kept (the memory of one block, for one more head product)."""
+    in the backward pass rather than kept (the memory of one block, for one more head product).
+
+    Each block's arithmetic is a chain of passes over [rows, V] (the products aside). On a CPU it
+    is logsumexp, then exp(z - lse) in the backward: the numbers the CPU suite and the speedrun
+    have always given. Elsewhere (`LOGSUMEXP_DEVICES`) each pass is a trip through the device's
+    memory (reading or writing a 512 MB block of float32 takes about 0.18 ms on an H100), so the
+    block takes torch's fused kernels instead: log_softmax forward, softmax backward, the one-hot
+    subtracted before the gradient is scaled and cast in one product. Counting each float32 read or
+    write of a block as a pass, a bf16 block at temperature 1 (where no division runs) takes 9.5
+    passes forward and backward this way, 17.5 by logsumexp (docs/gpu.md)."""
 
     @staticmethod
     def forward(ctx, x, w, targets, temperature: float, with_entropy: bool, rows: int):
         fwd, _, _ = _products(x)
+        few = x.device.type not in LOGSUMEXP_DEVICES
         N = x.shape[0]
-        lse, logp = x.new_empty(N, dtype=torch.float32), x.new_empty(N, dtype=torch.float32)
+        lse, logp = x.new_empty(0 if few else N, dtype=torch.float32), x.new_empty(N, dtype=torch.float32)
         ent = x.new_empty(N, dtype=torch.float32) if with_entropy else None
         for s in range(0, N, rows):
-            z = fwd(x[s : s + rows], w).float().div_(temperature)
-            m = torch.logsumexp(z, dim=-1)
-            lse[s : s + rows] = m
-            logp[s : s + rows] = z.gather(-1, targets[s : s + rows, None]).squeeze(-1) - m
+            z = _scaled(fwd(x[s : s + rows], w), temperature)
+            ts = targets[s : s + rows, None]
+            if few:
+                z = torch.log_softmax(z, dim=-1)  # log p
+                logp[s : s + rows] = z.gather(-1, ts).squeeze(-1)
+            else:
+                m = torch.logsumexp(z, dim=-1)
+                lse[s : s + rows] = m
+                logp[s : s + rows] = z.gather(-1, ts).squeeze(-1) - m
+                if ent is not None:
+                    z.sub_(m[:, None])  # log p
             if ent is not None:
-                z.sub_(m[:, None])  # log p
                 ent[s : s + rows] = -z.exp().mul_(z).sum(-1)
             del z  # before the next block's logits, not after
         ctx.save_for_backward(x, w, targets, lse, ent)
@@ -103,28 +122,46 @@ class _HeadLogprobs(torch.autograd.Function):
         x, w, targets, lse, ent = ctx.saved_tensors
         fwd, dx_of, dw_of = _products(x)
         T, rows = ctx.temperature, ctx.rows
+        few = x.device.type not in LOGSUMEXP_DEVICES
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = torch.empty_like(x) if want_x else None
         dw = torch.zeros_like(w, dtype=torch.float32) if want_w else None
-        g_logp = g_logp.float() if g_logp is not None else torch.zeros_like(lse)
+        g_logp = g_logp.float() if g_logp is not None else x.new_zeros(x.shape[0], dtype=torch.float32)
+        with_ent = ent is not None and g_ent is not None
         for s in range(0, x.shape[0], rows):
-            xs, gl = x[s : s + rows], g_logp[s : s + rows]
-            logq = fwd(xs, w).float().div_(T).sub_(lse[s : s + rows, None])  # log p
-            p = logq.exp()
+            xs, gl, ts = x[s : s + rows], g_logp[s : s + rows], targets[s : s + rows, None]
+            z = _scaled(fwd(xs, w), T)
             # d logp[t] / dz = onehot(t) - p;  d entropy / dz = -p * (log p + entropy)
-            if ent is not None and g_ent is not None:
-                ge = g_ent[s : s + rows, None].float()
-                gz = logq.add_(ent[s : s + rows, None]).mul_(ge).add_(gl[:, None]).mul_(p).neg_()
+            if few and not with_ent:
+                p = torch.softmax(z, dim=-1)
+                del z
+                p.scatter_add_(-1, ts, p.new_full((len(xs), 1), -1.0))  # p - onehot(t)
+                gz = p if x.dtype == torch.float32 else torch.empty(p.shape, dtype=x.dtype, device=p.device)
+                torch.mul(p, (gl / -T)[:, None], out=gz)  # scaled, and cast to x's dtype, in one pass
             else:
-                gz = p.mul_(-gl[:, None])
-            gz.scatter_add_(-1, targets[s : s + rows, None], gl[:, None])
-            gz = gz.div_(T).to(x.dtype)
+                logq = torch.log_softmax(z, dim=-1) if few else z.sub_(lse[s : s + rows, None])  # log p
+                del z
+                p = logq.exp()
+                if with_ent:
+                    ge = g_ent[s : s + rows, None].float()
+                    gz = logq.add_(ent[s : s + rows, None]).mul_(ge).add_(gl[:, None]).mul_(p).neg_()
+                else:
+                    gz = p.mul_(-gl[:, None])
+                gz.scatter_add_(-1, ts, gl[:, None])
+                gz = _scaled(gz, T).to(x.dtype)
             if want_x:
                 dx[s : s + rows] = dx_of(gz, w)
             if want_w:
                 dw += dw_of(gz, xs).float()
-            del logq, p, gz  # before the next block's logits, not after
+            del p, gz  # before the next block's logits, not after
         return dx, (dw.to(w.dtype) if want_w else None), None, None, None, None
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z in float32 divided by the temperature, in place where z is already float32; at temperature 1
+    no division runs (x / 1 is x to the bit)."""
+    z = z.float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def head_logprobs(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
