@@ -188,6 +188,40 @@ def test_head_logprobs_in_bf16_agree_between_the_two_ways_of_a_block(T, monkeypa
         assert (a.float() - b.float()).abs().max() <= 2 ** -7 * a.float().abs().max()
 
 
+def test_one_writer_each_turns_the_deterministic_mode_off_inside_and_puts_it_back(monkeypatch):
+    """`one_writer_each` (the head's one-hot add and the decoder's cache write, whose deterministic
+    CUDA forms synchronise with the host) runs its body with torch's deterministic mode off and
+    leaves the mode as it found it: strict, warn-only, or off, after an exception too. The fused
+    head's backward, run under the mode, ends with the mode on and the same gradients."""
+    from trainer.engine import one_writer_each
+    from trainer.rl import logprobs
+
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        for strict, warn_only in ((True, False), (True, True), (False, False)):
+            torch.use_deterministic_algorithms(strict, warn_only=warn_only)
+            with one_writer_each():
+                assert not torch.are_deterministic_algorithms_enabled()
+            assert (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) == (strict, warn_only)
+            with pytest.raises(KeyError), one_writer_each():
+                raise KeyError("inside")
+            assert (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) == (strict, warn_only)
+        torch.manual_seed(0)
+        x, w, t = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True), torch.randint(0, 50, (37,))
+        monkeypatch.setattr(logprobs, "LOGSUMEXP_DEVICES", ())
+        grads = []
+        for strict in (False, True):
+            torch.use_deterministic_algorithms(strict)
+            lp, _ = logprobs.head_logprobs(x, w, t, 0.7)
+            grads.append(torch.autograd.grad(lp.sum(), [x, w]))
+            assert torch.are_deterministic_algorithms_enabled() == strict
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
 def test_head_logprobs_hold_no_rows_by_vocabulary_tensor(tmp_path):
     """The memory of `head_logprobs` does not grow with rows x vocabulary: 4,096 rows over a
     65,536-token vocabulary (1 GiB of float32 logits; log_softmax's pass holds three such tensors

@@ -49,6 +49,27 @@ def deterministic() -> None:
     _determinism_set = True
 
 
+@contextlib.contextmanager
+def one_writer_each() -> Iterator[None]:
+    """Torch's deterministic mode off inside, as it was after, for ops whose every output element
+    gets at most one write or add: their plain CUDA kernels store the same values every run (no two
+    atomics meet at an address), while their deterministic forms are index_put_s whose range check
+    synchronised with the host on torch 2.11 (the decoding step's cache write could not be captured
+    in a CUDA graph for it): the host waits for the device and then the device for the host. Used for
+    that cache write (`StaticDecoder._capture`) and the one-hot add of the head's backward
+    (`trainer.rl.logprobs`). Not thread-safe: the mode is global."""
+    strict = torch.are_deterministic_algorithms_enabled()
+    if not strict:
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(strict, warn_only=warn_only)
+
+
 def init_distributed() -> None:
     """Join the launcher's process group, or make a one-rank group for a plain process."""
     import deepspeed

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from trainer.engine import one_writer_each
 from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad
 
 log = logging.getLogger(__name__)
@@ -207,13 +208,8 @@ class StaticDecoder(FastDecoder):
         replay. The mode is restored before anything else runs (capture is synchronous, on this thread)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # the shapes' graphs share one memory pool
-        strict = torch.are_deterministic_algorithms_enabled()
-        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        torch.use_deterministic_algorithms(False)
-        try:
+        with one_writer_each():
             st.graph, st.logits = _captured(lambda: self._step(st), self.pool)
-        finally:
-            torch.use_deterministic_algorithms(strict, warn_only=warn_only)
 
     def _advance(self, st: _Fixed, logits: torch.Tensor, mode: tuple) -> None:
         """Choose step st.t's token of every row from `logits` and move st to the next step, in

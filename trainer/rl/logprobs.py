@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from trainer import fasttrain
+from trainer.engine import one_writer_each
 from trainer.inference.cpu import distinct, left_pad
 from trainer.rl.trajectory import PackedBatch
 
@@ -135,7 +136,8 @@ class _HeadLogprobs(torch.autograd.Function):
             if few and not with_ent:
                 p = torch.softmax(z, dim=-1)
                 del z
-                p.scatter_add_(-1, ts, p.new_full((len(xs), 1), -1.0))  # p - onehot(t)
+                with one_writer_each():  # one add a row, at its target: exact without the mode's syncs
+                    p.scatter_add_(-1, ts, p.new_full((len(xs), 1), -1.0))  # p - onehot(t)
                 gz = p if x.dtype == torch.float32 else torch.empty(p.shape, dtype=x.dtype, device=p.device)
                 torch.mul(p, (gl / -T)[:, None], out=gz)  # scaled, and cast to x's dtype, in one pass
             else:
@@ -147,7 +149,8 @@ class _HeadLogprobs(torch.autograd.Function):
                     gz = logq.add_(ent[s : s + rows, None]).mul_(ge).add_(gl[:, None]).mul_(p).neg_()
                 else:
                     gz = p.mul_(-gl[:, None])
-                gz.scatter_add_(-1, ts, gl[:, None])
+                with one_writer_each() if few else contextlib.nullcontext():
+                    gz.scatter_add_(-1, ts, gl[:, None])
                 gz = _scaled(gz, T).to(x.dtype)
             if want_x:
                 dx[s : s + rows] = dx_of(gz, w)
