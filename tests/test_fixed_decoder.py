@@ -177,23 +177,32 @@ def test_one_hot_column_writes_decode_as_index_copy_does(char_tok):
     assert sum(len(t) for t in got[True][0]) > 150
 
 
+@pytest.mark.parametrize("decoder", ["fixed", "cpu"])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p):
-    """`_advance` draws in tensor ops only (it is captured on CUDA); with top_p it draws in sorted
-    order and maps the draw back by a gather. Over 8,192 rows of the same logits the tokens'
-    frequencies are softmax(logits / T) renormalised over the head HF's TopPLogitsWarper keeps, a
-    dropped token is never drawn, each log-prob is the unmasked one, and the state moved one step."""
+def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p, decoder):
+    """Both decoders choose through `pick`: the fixed-shape one in `_advance`, in tensor ops only (it
+    is captured on CUDA), drawing by a Gumbel-max race; the CPU one in `_choose`, by inverse CDF.
+    With top_p each draws in sorted order and maps the draw back by a gather. Over 8,192 rows of
+    the same logits the tokens' frequencies are softmax(logits / T) renormalised over the head HF's
+    TopPLogitsWarper keeps, a dropped token is never drawn, each log-prob is the unmasked one, and
+    the fixed decoder's state moved one step."""
     model = _model("llama", char_tok)  # (the decoder holds it weakly)
     dec = StaticDecoder(model, graphs=False)
     dec._pack()
     rows, V, T, eos = 8192, 40, 0.7, 3
-    st = _Fixed(dec, rows, 8)
-    st.col.fill_(4)
-    st.temperature.fill_(T)
-    st.top_p.fill_(top_p)
     logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2
     torch.manual_seed(0)
-    dec._advance(st, logits.expand(rows, V).clone(), (False, top_p < 1, True, eos, False))
+    if decoder == "fixed":
+        st = _Fixed(dec, rows, 8)
+        st.col.fill_(4)
+        st.temperature.fill_(T)
+        st.top_p.fill_(top_p)
+        dec._advance(st, logits.expand(rows, V).clone(), (False, top_p < 1, True, eos, False))
+        drawn, lp = st.out_tok[:, 0], st.out_lp[:, 0]
+        assert (st.tok == drawn).all() and (st.ended == (drawn == eos)).all()
+        assert (st.t.item(), st.col.item()) == (1, 5) and st.valid[:, 5].all() and not st.valid[:, 6].any()
+    else:
+        drawn, lp = FastDecoder._choose(logits.expand(rows, V).clone(), 0, eos, T, top_p, 0, True)
     p = torch.softmax(logits / T, -1)
     ordered, order = p.sort()
     keep = torch.ones(V, dtype=torch.bool)
@@ -202,14 +211,11 @@ def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p)
         drop[-1] = False
         keep[order[drop]] = False
     want = torch.where(keep, p, 0) / p[keep].sum()
-    drawn = st.out_tok[:, 0]
     freq = torch.bincount(drawn, minlength=V) / rows
     assert (top_p < 1) == bool((~keep).any())
     assert freq[~keep].sum() == 0
     assert (freq - want).abs().max() < 0.03, (freq - want).abs().max()  # the largest's sd is about 0.005
-    assert torch.allclose(st.out_lp[:, 0], torch.log_softmax(logits / T, -1)[drawn])
-    assert (st.tok == drawn).all() and (st.ended == (drawn == eos)).all()
-    assert (st.t.item(), st.col.item()) == (1, 5) and st.valid[:, 5].all() and not st.valid[:, 6].any()
+    assert torch.allclose(lp, torch.log_softmax(logits / T, -1)[drawn])
 
 
 def test_on_cpu_generation_keeps_the_compiled_decoder(char_tok):

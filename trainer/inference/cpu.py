@@ -131,6 +131,25 @@ def sample(scores: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
+def pick(scores: torch.Tensor, greedy: bool, top_p: float | torch.Tensor | None,
+         draw: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One token per row from scores [rows, V] (already divided by the temperature, EOS already
+    masked where it may not come yet): the argmax when greedy, else `draw` (one token per row with
+    probability softmax of its argument: `sample` here, `race` in the GPU's captured step). With
+    top_p (a number, or a tensor a captured step reads) the distribution is HF's TopPLogitsWarper's:
+    the low tail whose mass is at most 1 - top_p dropped, drawn in sorted order and mapped back by a
+    gather (no scatter, which a captured step would have to run under torch's deterministic mode).
+    Both decoders choose through this one function."""
+    if greedy:
+        return scores.argmax(-1)
+    if top_p is None:
+        return draw(scores)
+    ordered, order = torch.sort(scores, descending=False)
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[:, -1] = False
+    return order.gather(1, draw(ordered.masked_fill(drop, float("-inf")))[:, None]).squeeze(1)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool) -> torch.Tensor:
     """x @ W^T (+ b) over x's last dimension, W [out, in]: the compiled dot-form product, else F.linear."""
     if not compiled:
@@ -302,15 +321,7 @@ class FastDecoder:
         lp_all = torch.log_softmax(scores, dim=-1) if logprobs else None
         if t < min_new:
             scores[:, eos] = float("-inf")
-        if temperature > 0:
-            if top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is at most 1 - top_p
-                sorted_scores, order = torch.sort(scores, descending=False)
-                drop = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-                drop[:, -1] = False
-                scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-            nxt = sample(scores)
-        else:
-            nxt = scores.argmax(-1)
+        nxt = pick(scores, temperature <= 0, top_p if top_p < 1.0 else None, sample)
         return nxt, lp_all.gather(1, nxt[:, None]).squeeze(1) if lp_all is not None else None
 
     # -- decoding

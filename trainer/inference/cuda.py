@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.engine import one_writer_each
-from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad
+from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad, pick
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,10 @@ class StaticDecoder(FastDecoder):
         noted, the token fed back at the next cache column, one position on.
 
         `mode` is (greedy, top_p in use, log-probs kept, eos, min_new in use); the temperature,
-        top_p and min_new values are read from st's tensors. Tokens are drawn by `race`, in
-        elementwise passes (the CPU decoder's inverse CDF is a prefix sum along each row: on a GPU
-        a long sequential scan over the vocabulary for each few rows). With top_p they are drawn in
-        sorted order (the kept head of the distribution, mapped back by a gather), so no scatter
-        is needed: the distribution of HF's TopPLogitsWarper."""
+        top_p and min_new values are read from st's tensors. Tokens are chosen by `pick`, as the
+        CPU decoder's are, but drawn by `race`, in elementwise passes (the CPU decoder's inverse CDF
+        is a prefix sum along each row: on a GPU a long sequential scan over the vocabulary for each
+        few rows)."""
         greedy, nucleus, keep_lp, eos, hold_eos = mode
         scores = logits.float()
         if not greedy:
@@ -230,15 +229,7 @@ class StaticDecoder(FastDecoder):
         lp_all = torch.log_softmax(scores, dim=-1) if keep_lp else None
         if hold_eos:
             scores[:, eos] = torch.where(st.t < st.min_new, float("-inf"), scores[:, eos])
-        if greedy:
-            nxt = scores.argmax(-1)
-        elif nucleus:
-            ordered, order = torch.sort(scores, descending=False)
-            drop = ordered.softmax(-1).cumsum(-1) <= 1 - st.top_p
-            drop[:, -1] = False
-            nxt = order.gather(1, race(ordered.masked_fill(drop, float("-inf")))[:, None]).squeeze(1)
-        else:
-            nxt = race(scores)
+        nxt = pick(scores, greedy, st.top_p if nucleus else None, race)
         at = (st.columns == st.t)[None]  # step t's output column, one-hot
         torch.where(at, nxt[:, None], st.out_tok, out=st.out_tok)
         if lp_all is not None:
