@@ -6,9 +6,11 @@
    captured as a graph of their own and eagerly: tokens/s of a whole call, the captured step's replay
    alone and the captured sampling's (so the host's per-step work is the rest), and the kernels of one
    replayed step from torch.profiler.
-2. The GRPO update on the same workload, bf16 and fp32 at ZeRO stage 0: each phase of a
-   round (the micro-batch's forward and loss, backward, the optimizer step) timed with the device
-   synchronised around it, and the operators that take the device's time.
+2. The GRPO update on the same workload, bf16 and fp32 at ZeRO stage 0, and bf16 again in a
+   process of its own with POSTTRAIN_DETERMINISTIC=0 (what the deterministic default costs, phase
+   by phase and operator by operator): each phase of a round (the micro-batch's forward and loss,
+   backward, the optimizer step) timed with the device synchronised around it, and the operators
+   that take the device's time.
 3. `ops`, asked for by name (also on a CPU: `python -m tests.gpu_profile ops`): the ATen operators
    one GRPO update issues, bf16 and fp32, by phase, posttrain's and TRL's, on `smollm2-ops`
    (SmolLM2's 30 layers and head counts at a 32nd of its width: the count depends on the layers,
@@ -199,6 +201,16 @@ def update_profile(precision: str, stage: int, shape_name: str = "smollm2-gpu") 
     return out
 
 
+def update_profile_nondeterministic(precision: str) -> dict:
+    """`update_profile` at ZeRO stage 0 without torch's deterministic mode: run by `_in_own_process`,
+    since a process that has turned the mode on keeps it (`trainer.engine.deterministic`)."""
+    os.environ["POSTTRAIN_DETERMINISTIC"] = "0"
+    out = update_profile(precision, 0)
+    print(f"{precision} not deterministic: update {out['update_seconds']:.3f}s  " + "  ".join(
+        f"{k} {v:.3f}s" for k, v in out["phases_seconds"].items()), flush=True)
+    return out
+
+
 class _Ops:
     """Counts the ATen operators dispatched inside `with` (autograd's backward included), and the
     device synchronisations among them (a tensor's value read by the host)."""
@@ -351,6 +363,8 @@ def main() -> None:
                 print(f"update {precision} ZeRO-{stage} failed: {e!r}"[-800:], flush=True)
             path.write_text(json.dumps(res, indent=1))
             torch.cuda.empty_cache()
+        res["update"]["bf16 ZeRO-0, not deterministic"] = _in_own_process("update_profile_nondeterministic", "bf16")
+        path.write_text(json.dumps(res, indent=1))
     if "ops" in which:
         res["ops"] = {precision: _in_own_process("update_operators", precision) for precision in ("bf16", "fp32")}
         path.write_text(json.dumps(res, indent=1))

@@ -4,8 +4,9 @@
 # GPU host after `. .gpu/host.sh` has joined the model (docs/gpu.md); logs under $OUT (or ./gpu-out).
 #   1. the CUDA-only tests of the fixed-shape decoder (capture, replay, deterministic mode, moved
 #      weights); SKIP_TESTS=1 when an earlier call of the lease ran them
-#   2. where the time goes: python -m tests.gpu_profile (the decoder's step fused and not, fp32 and
-#      bf16; the update's phases at ZeRO stage 0 and 1)
+#   2. where the time goes: python -m tests.gpu_profile (the decoder's step with sampling captured and
+#      eager, fp32 and bf16; the update's phases and top operators, bf16 and fp32 at ZeRO stage 0, and
+#      bf16 without the deterministic mode)
 #   3. `make bench` on a GPU (python -m tests.bench): posttrain against TRL, fp32 and bf16, with the
 #      floors, then HF generate against the fixed-shape decoder (TRL's continuous batching only with
 #      BENCH_ALL=1: it ran at a third of plain generate's speed, docs/gpu.md)
