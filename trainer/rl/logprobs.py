@@ -111,7 +111,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 ent[s : s + rows] = -z.exp().mul_(z).sum(-1)
             del z  # before the next block's logits, not after
         ctx.save_for_backward(x, w, targets, lse, ent)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.few = temperature, rows, few  # the backward takes the forward's way
         if ent is None:
             none = x.new_zeros(0, dtype=torch.float32)
             ctx.mark_non_differentiable(none)
@@ -122,8 +122,7 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         x, w, targets, lse, ent = ctx.saved_tensors
         fwd, dx_of, dw_of = _products(x)
-        T, rows = ctx.temperature, ctx.rows
-        few = x.device.type not in LOGSUMEXP_DEVICES
+        T, rows, few = ctx.temperature, ctx.rows, ctx.few
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = torch.empty_like(x) if want_x else None
         dw = torch.zeros_like(w, dtype=torch.float32) if want_w else None
@@ -149,7 +148,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     gz = logq.add_(ent[s : s + rows, None]).mul_(ge).add_(gl[:, None]).mul_(p).neg_()
                 else:
                     gz = p.mul_(-gl[:, None])
-                with one_writer_each() if few else contextlib.nullcontext():
+                with one_writer_each():  # (the CPU's kernel is the same either way)
                     gz.scatter_add_(-1, ts, gl[:, None])
                 gz = _scaled(gz, T).to(x.dtype)
             if want_x:
