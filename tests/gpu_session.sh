@@ -34,7 +34,8 @@ step() {  # step SECONDS LOG command...: the command's output appended to LOG, i
 python3 -c "import os; from trainer.model import resolve_pretrained; print(resolve_pretrained(os.environ['POSTTRAIN_GGUF']))" \
   >>"$O/env.txt" 2>&1 &
 ! want tests ||
-  step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py -k "graph or weights_that_move or captured"
+  step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py tests/test_fused_norms.py \
+    -k "graph or weights_that_move or captured or on_cuda"
 wait
 ! want profile || step 150 profile.txt python3 -m tests.gpu_profile
 SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16;posttrain bf16, not deterministic"

@@ -30,6 +30,7 @@ from trainer.errors import InputError
 from trainer.evaluate import evaluate
 from trainer.rl import losses
 from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
+from trainer.model import fuse_norms
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
 from trainer.rl.rewards import RewardMix
@@ -63,6 +64,7 @@ class GRPOTrainer:
         # adapters switched off (no copy)
         if g.kl_coef > 0 and lc is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            fuse_norms(self.reference)  # as ds.initialize does the policy's
         # PPO (grpo.advantage=gae): the critic, built from the policy's trunk before DeepSpeed (ZeRO-3)
         # partitions it, trained by its own engine and optimizer; saved in the policy's checkpoints
         self.critic = None

@@ -44,9 +44,10 @@ def _captured(run: Callable[[], torch.Tensor | None], pool) -> tuple[torch.cuda.
 
 
 def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`_rms` in fewer kernels for the GPU's decoding step: torch's fused RMSNorm on the float32
-    values, then the cast back and the weight (HF's order of casts; the sum of squares in the fused
-    kernel's own order, which may differ from `pow().mean()` in the last bit of float32)."""
+    """`_rms` in fewer kernels for the GPU (the decoding step; the update's norms, `trainer.model.fuse_norms`):
+    torch's fused RMSNorm on the float32 values, then the cast back and the weight (HF's order of
+    casts; the sum of squares in the fused kernel's own order, which may differ from `pow().mean()`
+    in the last bit of float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return _rms(x, weight, eps)  # one fused kernel already
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
