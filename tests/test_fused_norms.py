@@ -1,4 +1,4 @@
-"""RMSNorm layers through torch's fused kernel (`trainer.model.fuse_norms`), the GPU update's norm.
+"""RMSNorm layers through torch's fused kernel (`trainer.inference.cuda.fuse_norms`), the GPU update's norm.
 
 Only CUDA builds of torch have the fused kernel, so on a GPU the norm is one operator each way in
 place of transformers' eight forward and about ten backward. Off the GPU the model's own norm runs,
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer import model as M
+from trainer.inference import cuda
 from trainer.rl.logprobs import hf_checkpointing
 
 COMMON = dict(vocab_size=90, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -44,8 +44,6 @@ def _norms(model: torch.nn.Module) -> int:
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
     """How many times the fused norm ran (in a forward, or in a checkpointed layer's recomputation)."""
-    from trainer.inference import cuda
-
     calls, fast = [0], cuda._fast_rms
 
     def counted(*a):
@@ -79,7 +77,7 @@ def _loss_and_grads(model, ids, mask, checkpointed: bool = False):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_off_the_gpu_the_models_own_norm_runs_to_the_bit(fused_calls, kind):
     own, fused = _model(kind), _model(kind)
-    assert M.fuse_norms(fused) == _norms(fused) == (2 * 3 + 1 if kind == "llama" else 4 * 3 + 1)
+    assert cuda.fuse_norms(fused) == _norms(fused) == (2 * 3 + 1 if kind == "llama" else 4 * 3 + 1)
     ids, mask = _batch(COMMON["vocab_size"])
     want_lp, want_g = _loss_and_grads(own, ids, mask)
     lp, g = _loss_and_grads(fused, ids, mask)
@@ -95,8 +93,8 @@ def test_off_the_gpu_the_models_own_norm_runs_to_the_bit(fused_calls, kind):
 def test_the_fused_norm_gives_the_models_log_probs_and_gradients(monkeypatch, fused_calls, kind, dtype,
                                                                  checkpointed):
     own, fused = _model(kind, dtype), _model(kind, dtype)
-    M.fuse_norms(fused)
-    monkeypatch.setattr(M, "FUSED_NORM_DEVICES", ("cpu",))
+    cuda.fuse_norms(fused)
+    monkeypatch.setattr(cuda, "FUSED_NORM_DEVICES", ("cpu",))
     ids, mask = _batch(COMMON["vocab_size"], seed=1)
     want_lp, want_g = _loss_and_grads(own, ids, mask, checkpointed)
     assert fused_calls[0] == 0
@@ -122,8 +120,8 @@ def test_smollm2_real_weights_bf16(monkeypatch, fused_calls, smollm2):
     _folder, base, tok = smollm2
     own = copy.deepcopy(base).to(torch.bfloat16).train()
     fused = copy.deepcopy(own)
-    assert M.fuse_norms(fused) == 61
-    monkeypatch.setattr(M, "FUSED_NORM_DEVICES", ("cpu",))
+    assert cuda.fuse_norms(fused) == 61
+    monkeypatch.setattr(cuda, "FUSED_NORM_DEVICES", ("cpu",))
     text = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
             "What is 17 * 23? Think step by step, then give the answer after ####."]
     enc = tok(text, return_tensors="pt", padding=True)
@@ -140,10 +138,10 @@ def test_smollm2_real_weights_bf16(monkeypatch, fused_calls, smollm2):
 
 def test_copies_keep_the_fused_norm_bound_to_themselves():
     fused = _model("llama")
-    M.fuse_norms(fused)
+    cuda.fuse_norms(fused)
     twin = copy.deepcopy(fused)
     norm = twin.model.layers[1].input_layernorm
-    assert norm.forward.__func__ is M._fused_norm_forward and norm.forward.__self__ is norm
+    assert norm.forward.__func__ is cuda._fused_norm_forward and norm.forward.__self__ is norm
     with torch.no_grad():
         norm.weight.mul_(2.0)  # the copy's weight, not the original's, scales the copy's output
     x = torch.randn(2, 5, COMMON["hidden_size"])
@@ -152,7 +150,7 @@ def test_copies_keep_the_fused_norm_bound_to_themselves():
 
 def test_models_outside_the_llama_family_keep_their_norms():
     gemma = GemmaForCausalLM(GemmaConfig(**{**COMMON, "head_dim": 16}))  # its norm scales by 1 + weight
-    assert M.fuse_norms(gemma) == 0
+    assert cuda.fuse_norms(gemma) == 0
     assert all("forward" not in vars(m) for m in gemma.modules())
 
 
@@ -170,12 +168,12 @@ def test_a_grpo_update_on_the_gpus_path_is_the_same_update(monkeypatch, fused_ca
     monkeypatch.setattr(logprobs.fasttrain, "unsupported", lambda _m: "a GPU (emulated)")
     stats = {}
     for fused in (False, True):
-        monkeypatch.setattr(M, "FUSED_NORM_DEVICES", ("cpu",) if fused else ("cuda",))
+        monkeypatch.setattr(cuda, "FUSED_NORM_DEVICES", ("cpu",) if fused else ("cuda",))
         trainer = make_trainer(cfg, tiny_tokenizer, tmp_path / str(fused))
         models = [trainer.ds.module] + [m for m in (trainer.reference, getattr(trainer.critic, "module", None)) if m]
         assert len(models) == 2
         for m in models:
-            assert all(n.forward.__func__ is M._fused_norm_forward
+            assert all(n.forward.__func__ is cuda._fused_norm_forward
                        for n in m.modules() if type(n).__name__.endswith("RMSNorm"))
         before = fused_calls[0]
         stats[fused] = trainer.update(make_batch(0, 3, 4, len(tiny_tokenizer), seed=7))
@@ -192,7 +190,7 @@ def test_on_cuda_the_norm_is_fewer_operators_with_the_same_numbers(dtype):
     from tests.gpu_profile import _Ops
 
     own, fused = _model("llama", dtype).cuda(), _model("llama", dtype).cuda()
-    M.fuse_norms(fused)
+    cuda.fuse_norms(fused)
     ids, mask = (t.cuda() for t in _batch(COMMON["vocab_size"], seed=2))
     counts = {}
     for name, m in (("own", own), ("fused", fused)):

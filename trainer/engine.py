@@ -221,10 +221,7 @@ def retain_freed_memory() -> bool:
 def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, Any]):
     import deepspeed
 
-    from trainer.model import fuse_norms
-
     retain_freed_memory()
-    fuse_norms(model)  # on a GPU: torch's fused RMSNorm in place of transformers' eight operators
     init_distributed()
     # At ZeRO stage 0 in fp32 DeepSpeed clips with its own clip_grad_norm_ and keeps no gradient norm
     # (`get_global_grad_norm` is None there): its clipping is left off and `step` clips instead

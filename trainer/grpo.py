@@ -29,8 +29,8 @@ from trainer.config import RunConfig
 from trainer.errors import InputError
 from trainer.evaluate import evaluate
 from trainer.rl import losses
+from trainer.inference.cuda import fuse_norms
 from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
-from trainer.model import fuse_norms
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
 from trainer.rl.rewards import RewardMix
@@ -56,6 +56,8 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.reference = None
         lc = cfg.model.lora
+        # on a GPU the norms take torch's fused kernel (the policy, and the reference copied from it)
+        fuse_norms(model)
         if g.gradient_checkpointing and not getattr(lora.inner(model), "supports_gradient_checkpointing", False):
             raise InputError(f"grpo.gradient_checkpointing: {type(lora.inner(model)).__name__} cannot recompute "
                              "its layers (transformers does not support checkpointing it); set "
@@ -64,7 +66,6 @@ class GRPOTrainer:
         # adapters switched off (no copy)
         if g.kl_coef > 0 and lc is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-            fuse_norms(self.reference)  # as ds.initialize does the policy's
         # PPO (grpo.advantage=gae): the critic, built from the policy's trunk before DeepSpeed (ZeRO-3)
         # partitions it, trained by its own engine and optimizer; saved in the policy's checkpoints
         self.critic = None
@@ -72,6 +73,7 @@ class GRPOTrainer:
             from trainer.rl.critic import build_critic
 
             critic = build_critic(model, g.critic)
+            fuse_norms(critic)
             c_opt = torch.optim.AdamW(critic.parameters(), lr=g.critic.lr, weight_decay=0.0, betas=(0.9, 0.99),
                                       fused=next(critic.parameters()).device.type in ("cpu", "cuda"))
             self.critic = ds.initialize(critic, c_opt, get_constant_schedule_with_warmup(c_opt, 0),

@@ -4,7 +4,6 @@ an `s3://` URI (downloaded once into the local cache), a `.gguf` file (converted
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import torch
@@ -80,46 +79,6 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
 
 def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-
-
-# Where a model's RMSNorm layers take torch's fused kernel (`fuse_norms`). Only CUDA builds of torch
-# have one: on the CPU `rms_norm` is the same eight operators again, and the CPU's training passes
-# (trainer.fasttrain) have their own norm.
-FUSED_NORM_DEVICES = ("cuda",)
-
-
-def _fused_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.device.type in FUSED_NORM_DEVICES:
-        from trainer.inference.cuda import _fast_rms
-
-        return _fast_rms(hidden_states, self.weight, self.variance_epsilon)
-    return type(self).forward(self, hidden_states)
-
-
-def fuse_norms(model: torch.nn.Module) -> int:
-    """Lets `model`'s RMSNorm layers run torch's fused kernel where their input is on a device in
-    FUSED_NORM_DEVICES, and their own forward elsewhere; returns how many layers. Llama-family models
-    only (trainer.inference.cpu.SUPPORTED, under a peft wrapper too): their norms all compute
-    transformers' LlamaRMSNorm.
-
-    That norm is eight operators forward in bf16 (two casts, pow, mean, add, rsqrt, two products) and
-    about ten backward; on a GPU the update is bound by the host issuing operators, and a 30-layer
-    model has 61 norms. The fused one is the GPU decoder's own (`trainer.inference.cuda._fast_rms`):
-    one operator each way in float32, four forward in bf16 (the casts and the weight's product in
-    transformers' order). The sum of squares is the fused kernel's, which may differ from
-    pow().mean() in the last bit. Weights, state dict and saved folders do not change; copies
-    (copy.deepcopy) keep the fused forward, bound to the copy."""
-    from trainer.inference.cpu import SUPPORTED
-    from trainer.lora import inner
-
-    if getattr(getattr(inner(model), "config", None), "model_type", None) not in SUPPORTED:
-        return 0
-    n = 0
-    for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
-            m.forward = types.MethodType(_fused_norm_forward, m)
-            n += 1
-    return n
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -21,6 +21,7 @@ from trainer import checkpoint, engine as ds, faults
 from trainer.chat import encode_many
 from trainer.config import RunConfig
 from trainer.errors import InputError
+from trainer.inference.cuda import fuse_norms
 from trainer.progress import progress_bar
 from trainer.tracking import MetricLogger, NullLogger
 
@@ -218,6 +219,7 @@ def train_sft(
     # DeepSpeed drops an empty group (LoRA's adapters are all matrices) and the scheduler then miscounts
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=s.lr, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, min(s.warmup_steps, total), total)
+    fuse_norms(model)  # on a GPU: torch's fused RMSNorm in place of transformers' eight operators
     engine, _, _ = ds.initialize(model, optimizer, scheduler,
                                  ds.ds_config(s.deepspeed, s.micro_batch_size, s.grad_accum, s.grad_clip))
     ckpt_dir = Path(work_dir) / "checkpoints"

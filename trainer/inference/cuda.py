@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 import weakref
 from typing import Callable
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.engine import one_writer_each
-from trainer.inference.cpu import FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad, pick
+from trainer.inference.cpu import SUPPORTED, FastDecoder, _Layer, _linear, _rms, _rotate, distinct, left_pad, pick
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,49 @@ def _captured(run: Callable[[], torch.Tensor | None], pool) -> tuple[torch.cuda.
 
 
 def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`_rms` in fewer kernels for the GPU (the decoding step; the update's norms, `trainer.model.fuse_norms`):
+    """`_rms` in fewer kernels for the GPU (the decoding step; the update's norms, `fuse_norms`):
     torch's fused RMSNorm on the float32 values, then the cast back and the weight (HF's order of
     casts; the sum of squares in the fused kernel's own order, which may differ from `pow().mean()`
     in the last bit of float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return _rms(x, weight, eps)  # one fused kernel already
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+# Where a model's RMSNorm layers take torch's fused kernel (`fuse_norms`). Only CUDA builds of torch
+# have one: on the CPU `rms_norm` is the same eight operators again, and the CPU's training passes
+# (trainer.fasttrain) have their own norm.
+FUSED_NORM_DEVICES = ("cuda",)
+
+
+def _fused_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.device.type in FUSED_NORM_DEVICES:
+        return _fast_rms(hidden_states, self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden_states)
+
+
+def fuse_norms(model: torch.nn.Module) -> int:
+    """Lets `model`'s RMSNorm layers run torch's fused kernel where their input is on a device in
+    FUSED_NORM_DEVICES, and their own forward elsewhere; returns how many layers. Llama-family models
+    only (trainer.inference.cpu.SUPPORTED, under a peft wrapper too): their norms all compute
+    transformers' LlamaRMSNorm.
+
+    That norm is eight operators forward in bf16 (two casts, pow, mean, add, rsqrt, two products) and
+    about ten backward; on a GPU the update is bound by the host issuing operators, and a 30-layer
+    model has 61 norms. The fused one is the GPU decoder's own (`_fast_rms`): one operator each way
+    in float32, four forward in bf16 (the casts and the weight's product in transformers' order). The sum of squares is the fused kernel's, which may differ from
+    pow().mean() in the last bit. Weights, state dict and saved folders do not change; copies
+    (copy.deepcopy) keep the fused forward, bound to the copy."""
+    from trainer.lora import inner
+
+    if getattr(getattr(inner(model), "config", None), "model_type", None) not in SUPPORTED:
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
+            m.forward = types.MethodType(_fused_norm_forward, m)
+            n += 1
+    return n
 
 
 GRAPHS_ENV = "POSTTRAIN_CUDA_GRAPHS"  # "0": the fixed-shape decoder runs its step eagerly on CUDA too
