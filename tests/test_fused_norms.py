@@ -71,7 +71,7 @@ def _loss_and_grads(model, ids, mask, checkpointed: bool = False):
     lp = torch.log_softmax(logits.float()[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
     loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
     loss.backward()
-    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -83,7 +83,7 @@ def test_off_the_gpu_the_models_own_norm_runs_to_the_bit(fused_calls, kind):
     lp, g = _loss_and_grads(fused, ids, mask)
     assert fused_calls[0] == 0  # the CPU is not among FUSED_NORM_DEVICES: transformers' own norm ran
     assert torch.equal(lp, want_lp)
-    assert all(torch.equal(g[n], want_g[n]) for n in want_g)
+    assert set(g) == set(want_g) and all(torch.equal(g[n], want_g[n]) for n in want_g)
     assert set(fused.state_dict()) == set(own.state_dict())  # nothing added to what is saved
 
 
@@ -146,6 +146,19 @@ def test_copies_keep_the_fused_norm_bound_to_themselves():
         norm.weight.mul_(2.0)  # the copy's weight, not the original's, scales the copy's output
     x = torch.randn(2, 5, COMMON["hidden_size"])
     assert torch.equal(norm(x), 2.0 * fused.model.layers[1].input_layernorm(x))
+
+
+def test_under_lora_adapters_the_norms_are_fused_too(monkeypatch, fused_calls):
+    """SFT and GRPO with model.lora fuse the peft-wrapped model: the norms are found inside it."""
+    from trainer.config import LoRAConfig
+    from trainer.lora import wrap
+
+    wrapped = wrap(_model("llama"), LoRAConfig(rank=4))
+    assert cuda.fuse_norms(wrapped) == 7
+    monkeypatch.setattr(cuda, "FUSED_NORM_DEVICES", ("cpu",))
+    ids, mask = _batch(COMMON["vocab_size"])
+    _lp, grads = _loss_and_grads(wrapped, ids, mask)
+    assert fused_calls[0] == 7 and any("lora_A" in n for n in grads)
 
 
 def test_models_outside_the_llama_family_keep_their_norms():

@@ -84,7 +84,9 @@ def fuse_norms(model: torch.nn.Module) -> int:
         return 0
     n = 0
     for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
+        weight = getattr(m, "weight", None)
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and weight is not None \
+                and weight.dim() == 1:
             m.forward = types.MethodType(_fused_norm_forward, m)
             n += 1
     return n
