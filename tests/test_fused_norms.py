@@ -213,3 +213,30 @@ def test_on_cuda_the_norm_is_fewer_operators_with_the_same_numbers(dtype):
     assert counts["fused"][1] < counts["own"][1] - 4 * _norms(fused), (counts["fused"][1], counts["own"][1])
     tol = 2e-6 if dtype == torch.float32 else 0.05
     assert (counts["fused"][0] - counts["own"][0]).abs().max() < tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the fused RMSNorm kernel exists in CUDA builds of torch only, and this machine has no "
+                           "CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_the_fused_norm_runs_under_the_deterministic_mode_the_same_each_time(dtype):
+    """posttrain trains under torch's strict deterministic mode (`trainer.engine.deterministic`): the
+    fused norm's backward must neither refuse it nor differ run to run, the weight's gradient (a sum
+    over rows) included. The mode is put back afterwards (no products here, so cuBLAS's workspace
+    setting does not matter)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x0 = (torch.randn(3000, 576, device="cuda", generator=g) * 40).to(dtype)
+        w0 = torch.rand(576, device="cuda", generator=g).to(dtype)
+        runs = []
+        for _ in range(2):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            y = cuda._fast_rms(x, w, 1e-5)
+            (y.float() * torch.linspace(-1, 1, 576, device="cuda")).sum().backward()
+            runs.append((y.detach(), x.grad, w.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
