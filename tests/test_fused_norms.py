@@ -195,6 +195,22 @@ def test_a_grpo_update_on_the_gpus_path_is_the_same_update(monkeypatch, fused_ca
         assert stats[True][key] == pytest.approx(stats[False][key], rel=1e-4, abs=1e-6), key
 
 
+def test_sft_trains_its_model_with_the_fused_norm(monkeypatch, fused_calls, tiny_tokenizer, tmp_path):
+    from trainer.config import load_config
+    from trainer.data import synthetic
+    from trainer.model import build_model
+    from trainer.sft import train_sft
+
+    cfg = load_config("tiny", ["model.hidden_size=32", "model.num_layers=2", "model.intermediate_size=64",
+                               "sft.micro_batch_size=8", "sft.max_steps=2", "sft.packing=false"])
+    rows = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 40, "n_test": 2}), 1).train
+    monkeypatch.setattr(cuda, "FUSED_NORM_DEVICES", ("cpu",))
+    model = build_model(cfg.model, tiny_tokenizer, 0)
+    _, result = train_sft(cfg, model, tiny_tokenizer, rows, tmp_path)
+    assert result.steps == 2 and fused_calls[0] >= 2 * 5  # two steps' forwards, 5 norms each
+    assert model.model.norm.forward.__func__ is cuda._fused_norm_forward
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the fused RMSNorm kernel exists in CUDA builds of torch only, and this machine has no "
                            "CUDA device (the tests above run the same code on CPU)")
