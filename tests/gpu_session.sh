@@ -3,7 +3,8 @@
 # so that a slow or failing step leaves the next ones their turn. Run from the project root on the
 # GPU host after `. .gpu/host.sh` has joined the model (docs/gpu.md); logs under $OUT (or ./gpu-out).
 #   1. the CUDA-only tests of the fixed-shape decoder (capture, replay, deterministic mode, moved
-#      weights); SKIP_TESTS=1 when an earlier call of the lease ran them
+#      weights) and of the fused norms (fewer operators, deterministic backward); SKIP_TESTS=1 when
+#      an earlier call of the lease ran them
 #   2. where the time goes: python -m tests.gpu_profile (the decoder's step with sampling captured and
 #      eager, fp32 and bf16; the update's phases and top operators, bf16 and fp32 at ZeRO stage 0, and
 #      bf16 without the deterministic mode)

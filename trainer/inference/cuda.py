@@ -75,9 +75,10 @@ def fuse_norms(model: torch.nn.Module) -> int:
     That norm is eight operators forward in bf16 (two casts, pow, mean, add, rsqrt, two products) and
     about ten backward; on a GPU the update is bound by the host issuing operators, and a 30-layer
     model has 61 norms. The fused one is the GPU decoder's own (`_fast_rms`): one operator each way
-    in float32, four forward in bf16 (the casts and the weight's product in transformers' order). The sum of squares is the fused kernel's, which may differ from
-    pow().mean() in the last bit. Weights, state dict and saved folders do not change; copies
-    (copy.deepcopy) keep the fused forward, bound to the copy."""
+    in float32, four forward in bf16 (the casts and the weight's product in transformers' order).
+    The sum of squares is the fused kernel's, which may differ from pow().mean() in the last bit.
+    Weights, state dict and saved folders do not change; copies (copy.deepcopy) keep the fused
+    forward, bound to the copy."""
     from trainer.lora import inner
 
     if getattr(getattr(inner(model), "config", None), "model_type", None) not in SUPPORTED:
