@@ -21,13 +21,14 @@ def body(cfg, inputs: dict, ref, fault: dict):
 
     def compute(work: Path, logger) -> dict:
         # torch and transformers load here, not at import: a fully cached run never needs them
-        from trainer.engine import device
+        from trainer.engine import device, fp32_matmul
         from trainer.evaluate import evaluate
         from trainer.model import load_model
         from trainer.tokenizer import load_tokenizer
 
         path = model_dir(model)
         tok = load_tokenizer(path)
+        fp32_matmul(cfg.model.tf32)
         engine = policy = None
         if cfg.eval_engine() == "sglang":  # greedy answers from the servers the rollouts use, not HF generate
             from tasks.grpo import launch_sglang

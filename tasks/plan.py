@@ -248,6 +248,9 @@ def dry_run(cfg: RunConfig, until: str | None = None) -> tuple[str, list[str]]:
         if (cfg.model.dtype == "bfloat16" or "bf16" in (cfg.sft.deepspeed.precision, cfg.grpo.deepspeed.precision)) \
                 and not torch.cuda.is_available():
             notes.append("bf16 training and SGLang want a GPU; this machine has none (the plan is still valid)")
+        if cfg.model.tf32:
+            notes.append("model.tf32: float32 products take TF32 tensor cores on a CUDA GPU (Ampere or later)" + (
+                "" if torch.cuda.is_available() else "; this machine has none, so nothing changes here"))
     except ImportError:
         pass
     lines.append("")

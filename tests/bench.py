@@ -560,6 +560,9 @@ GPU_SESSIONS = [
     ("posttrain bf16", "posttrain", "bf16", [], {}),
     ("posttrain bf16, not deterministic", "posttrain", "bf16", [], {"POSTTRAIN_DETERMINISTIC": "0"}),
     ("TRL fp32, continuous batching", "trl", "fp32", ["--batching"], {}),
+    # model.tf32 (off by default: it changes the numbers) against TRL's tf32=True
+    ("TRL fp32, TF32", "trl", "fp32", ["--tf32"], {}),
+    ("posttrain fp32, TF32", "posttrain", "fp32", ["--tf32"], {}),
 ]
 
 
@@ -633,8 +636,8 @@ def gpu_side_by_side(shape: str = GPU_SHAPE, sessions=None) -> dict:
         print(f"  {label:<36} step {r['step']:.3f}s  generation {r['gen_tokens_per_second']:,.0f} tok/s  "
               f"update {r['update']:.3f}s  sync {r.get('sync', 0.0):.4f}s  peak GPU "
               f"{(r.get('peak_gpu_mib') or 0):,.0f} MiB  ({r['decoder']})", flush=True)
-    for label, r in rows.items():  # against TRL at the same precision, as it ships
-        trl = rows.get(f"TRL {r.get('precision')}")
+    for label, r in rows.items():  # against TRL at the same precision (and TF32 or not), as it ships
+        trl = rows.get(f"TRL {r.get('precision')}" + (", TF32" if label.endswith(", TF32") else ""))
         if "error" not in r and trl and "error" not in trl:
             r["vs_trl"] = {"step": r["step"] / trl["step"], "update": r["update"] / trl["update"],
                            "generation_tokens_per_second": r["gen_tokens_per_second"] / trl["gen_tokens_per_second"]}

@@ -143,7 +143,7 @@ def peak_rss_mib() -> float:
 
 # ---------------------------------------------------------------- TRL
 
-def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = False) -> dict:
+def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = False, tf32: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -166,6 +166,7 @@ def run_trl(shape: Shape, work: Path, precision: str = "fp32", batching: bool = 
 
     args = GRPOConfig(
         output_dir=str(work / "trl"), use_cpu=not torch.cuda.is_available(), bf16=precision == "bf16",
+        tf32=True if tf32 else None,  # None: as torch leaves it (off); True needs an Ampere or later GPU
         use_transformers_continuous_batching=batching, report_to="none", save_strategy="no",
         disable_tqdm=True, logging_steps=10**6, max_steps=n_steps, per_device_train_batch_size=shape.batch,
         gradient_accumulation_steps=1, num_generations=shape.samples, max_completion_length=shape.new_tokens,
@@ -219,7 +220,7 @@ def posttrain_config(shape: Shape, precision: str = "fp32", extra: tuple[str, ..
     ])
 
 
-def run_posttrain(shape: Shape, work: Path, precision: str = "fp32") -> dict:
+def run_posttrain(shape: Shape, work: Path, precision: str = "fp32", tf32: bool = False) -> dict:
     import torch
 
     from trainer.grpo import GRPOTrainer
@@ -230,7 +231,8 @@ def run_posttrain(shape: Shape, work: Path, precision: str = "fp32") -> dict:
     train = [{"id": r["id"], "answer": r["answer"],
               "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": ""}]}
              for r in rows]
-    trainer = GRPOTrainer(posttrain_config(shape, precision), policy, tok, train, train[:8], work / "grpo")
+    trainer = GRPOTrainer(posttrain_config(shape, precision, (f"model.tf32={str(tf32).lower()}",)), policy, tok,
+                          train, train[:8], work / "grpo")
     out = {"step": [], "generate": [], "reward": [], "update": [], "sync": [], "tokens": []}
     torch.manual_seed(42)
     while not trainer.done():
@@ -277,6 +279,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="ref")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--batching", action="store_true", help="TRL generates with transformers' continuous batching")
+    ap.add_argument("--tf32", action="store_true", help="float32 products on TF32 tensor cores (TRL's tf32=True, "
+                    "posttrain's model.tf32; a GPU of Ampere or later)")
     a = ap.parse_args()
     import logging
     import os
@@ -289,11 +293,11 @@ def main() -> None:
     shape = SHAPES[a.shape]
     with tempfile.TemporaryDirectory() as tmp:
         if a.tool == "trl":
-            raw = run_trl(shape, Path(tmp), a.precision, a.batching)
+            raw = run_trl(shape, Path(tmp), a.precision, a.batching, a.tf32)
         else:
-            raw = run_posttrain(shape, Path(tmp), a.precision)
+            raw = run_posttrain(shape, Path(tmp), a.precision, a.tf32)
     decoder = raw.pop("decoder", "HF generate_batch" if a.batching else "HF generate")
-    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, "precision": a.precision,
+    sys.stdout.write("BENCH " + json.dumps({"tool": a.tool, "shape": a.shape, "precision": a.precision, "tf32": a.tf32,
                                             "decoder": decoder, "device": torch.cuda.get_device_name()
                                             if torch.cuda.is_available() else "cpu",
                                             **summarise(raw, shape), "raw": raw}) + "\n")

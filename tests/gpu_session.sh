@@ -10,7 +10,8 @@
 #      bf16 without the deterministic mode)
 #   3. `make bench` on a GPU (python -m tests.bench): posttrain against TRL, fp32 and bf16, with the
 #      floors, then HF generate against the fixed-shape decoder (TRL's continuous batching only with
-#      BENCH_ALL=1: it ran at a third of plain generate's speed, docs/gpu.md)
+#      BENCH_ALL=1: it ran at a third of plain generate's speed, docs/gpu.md; fp32 on TF32 tensor cores,
+#      posttrain's model.tf32 against TRL's tf32=True, with TF32=1)
 #   4. the smollm2-135m preset through the real CLI (Prefect, MLflow on SQLite), as shipped; then with
 #      POSTTRAIN_DETERMINISTIC=0 where NONDET=1
 # STEPS="profile bench" (say) runs those of tests, profile, bench, speedrun only: a lease can split
@@ -41,6 +42,7 @@ wait
 ! want profile || step 150 profile.txt python3 -m tests.gpu_profile
 SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16;posttrain bf16, not deterministic"
 [ "${BENCH_ALL:-0}" = 1 ] && SESSIONS="$SESSIONS;TRL fp32, continuous batching"
+[ "${TF32:-0}" = 1 ] && SESSIONS="$SESSIONS;TRL fp32, TF32;posttrain fp32, TF32"
 ! want bench || { step 360 bench.txt python3 -m tests.bench --gpu-sessions "$SESSIONS"; cp bench-results/bench.json "$O/" 2>/dev/null; }
 ! want speedrun ||
   step 200 speedrun.txt python3 -m flows.cli speedrun --preset smollm2-135m --set "model.pretrained=$POSTTRAIN_GGUF"

@@ -37,6 +37,7 @@ UNKEYED_CHANGES = {
 }
 KEYED_CHANGES = [("prepare_data", "data.calculator_annotations=strip"), ("prepare_data", "data.synthetic.n_train=10"),
                  ("tokenizer", "tokenizer.vocab_size=300"), ("sft", "sft.lr=1e-4"), ("sft", "model.dtype=bfloat16"),
+                 ("sft", "model.tf32=true"), ("control", "model.tf32=true"),
                  ("sft", "sft.max_seconds=30"), ("grpo", "grpo.lr=1e-4"), ("grpo", "rollout.temperature=0.5"),
                  ("grpo", "rollout.engine=sglang"), ("control", "control.lr=1e-4"),
                  ("sft", "model.lora.rank=8"), ("grpo", "model.lora.rank=8"), ("control", "model.lora.rank=8"),

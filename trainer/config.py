@@ -153,6 +153,11 @@ class ModelConfig(Strict):
     intermediate_size: int = Field(384, ge=8)
     max_position: int = Field(256, ge=16)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    tf32: bool = Field(
+        False, description="on a CUDA GPU (Ampere or later) every stage's float32 matrix products (training, "
+        "rollouts, evals) take TF32 tensor cores: several times faster, each product's inputs rounded to 10 "
+        "mantissa bits, sums still in float32, so the numbers change; no effect on a CPU, on bfloat16 products "
+        "or on SGLang's servers. Off: exact float32 products, torch's default")
     lora: LoRAConfig | None = Field(
         None, description="LoRA adapters for every training stage (SFT, GRPO, the control); unset: full "
         "fine-tuning")

@@ -49,6 +49,15 @@ def deterministic() -> None:
     _determinism_set = True
 
 
+def fp32_matmul(tf32: bool) -> None:
+    """How this process's float32 matrix products run on CUDA: on TF32 tensor cores (`model.tf32`)
+    or exactly in float32 (torch's default). Each stage sets it from its config where its work runs
+    (the GRPO trainer and its rollout process, SFT, evals), so a process that runs several stages
+    runs each with its own. Torch's CPU products have a switch of their own, left as torch sets it:
+    on a CPU nothing changes."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+
+
 @contextlib.contextmanager
 def one_writer_each() -> Iterator[None]:
     """Torch's deterministic mode off inside, as it was after, for ops whose every output element

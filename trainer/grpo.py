@@ -54,6 +54,7 @@ class GRPOTrainer:
         self.work_dir = Path(work_dir)
         self.ckpt_dir = self.work_dir / "checkpoints"
         torch.manual_seed(cfg.seed)
+        ds.fp32_matmul(cfg.model.tf32)
         self.reference = None
         lc = cfg.model.lora
         # on a GPU the norms take torch's fused kernel (the policy, and the reference copied from it)

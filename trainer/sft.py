@@ -199,6 +199,7 @@ def train_sft(
     Returns (DeepSpeed engine, result). `fault_at_step` raises after that step (tests)."""
     s = cfg.sft
     logger = logger if ds.rank() == 0 and logger is not None else NullLogger()
+    ds.fp32_matmul(cfg.model.tf32)
     data, n_truncated = encode_dataset(tok, examples, s.max_length)
     if not data:
         raise InputError("sft: no training example keeps an assistant token after truncation; "

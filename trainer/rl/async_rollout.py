@@ -191,6 +191,7 @@ def _serve(spec: dict[str, Any], inbox, outbox) -> None:
         from trainer.rl.orchestrator import RolloutManager
 
         ds.deterministic()
+        ds.fp32_matmul(spec["tf32"])
         model = AutoModelForCausalLM.from_config(spec["model_config"]).to(spec["dtype"]).to(spec["device"])
         model.eval().requires_grad_(False)
         manager = RolloutManager(spec["rollout"], spec["examples"], spec["tok"],
@@ -231,7 +232,7 @@ class ProcessProducer(_Producer):
         param = next(module.parameters())
         spec = {"rollout": cfg.rollout, "examples": examples, "tok": tok, "model_config": inner(module).config,
                 "dtype": param.dtype, "device": str(param.device), "seed": seed, "parent": os.getpid(),
-                "threads": cfg.rollout.worker_threads, "cpus": list(cfg.rollout.worker_cpus)}
+                "threads": cfg.rollout.worker_threads, "cpus": list(cfg.rollout.worker_cpus), "tf32": cfg.model.tf32}
         self.proc = ctx.Process(target=_serve, args=(spec, self.inbox, self.outbox), name="posttrain-rollout")
         self.proc.start()
         self.sent_version: int | None = None
