@@ -163,6 +163,33 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(servers):
         s.check_alive()
 
 
+def _process_tree(pid: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) for `pid`'s process group."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            if int(fields[2]) == pid:
+                out[int(d.name)] = (int(fields[1]), cmd)
+    return out
+
+
+def test_a_cpu_servers_scheduler_and_detokenizer_are_forked_from_one_preloaded_process(servers):
+    """trainer/inference/sglang_server.py: SGLang's children come from a forkserver that imported
+    their modules once, not from spawned interpreters that each import SGLang again."""
+    for s in servers.servers:
+        tree = _process_tree(s.proc.pid)
+        forkservers = [p for p, (_, cmd) in tree.items() if "multiprocessing.forkserver" in cmd]
+        assert len(forkservers) == 1, tree
+        children = {cmd.split()[0] for p, (parent, cmd) in tree.items() if parent == forkservers[0]}
+        assert children == {"sglang::scheduler", "sglang::detokenizer"}, tree
+        assert not [cmd for _, cmd in tree.values() if "multiprocessing.spawn" in cmd], tree
+
+
 def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tiny_tokenizer):
     from trainer.inference.engines import HFEngine
 
