@@ -163,18 +163,19 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(servers):
         s.check_alive()
 
 
-def _process_tree(pid: int) -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) for `pid`'s process group."""
+def _process_tree(pgid: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) for process group `pgid`."""
+    import psutil
+
+    from trainer.procwatch import group_members
+
     out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                continue
-            if int(fields[2]) == pid:
-                out[int(d.name)] = (int(fields[1]), cmd)
+    for pid in group_members(pgid):
+        try:
+            p = psutil.Process(pid)
+            out[pid] = (p.ppid(), " ".join(p.cmdline()).strip())
+        except psutil.NoSuchProcess:
+            continue
     return out
 
 
