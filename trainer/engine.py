@@ -120,12 +120,25 @@ def init_distributed() -> None:
 RENDEZVOUS = "POSTTRAIN_RENDEZVOUS_FILE"  # set by the supervisor for ranks launched on this machine alone
 
 
+_RENDEZVOUS_PREFIX = "posttrain-rendezvous-"
+
+
 def rendezvous_file() -> str:
-    """A fresh path for one group's FileStore (it must not exist before the group starts)."""
+    """A fresh path for one group's FileStore (it must not exist before the group starts), in the
+    temp folder and named after this process, which removes it when the group is gone (FileStore
+    does when a one-rank group ends, trainer.launch when its launcher exits). A process killed
+    before that leaves its file behind: each call first removes those whose process is gone."""
     import tempfile
     import uuid
 
-    return os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
+    from trainer.procwatch import process_gone
+
+    temp = Path(tempfile.gettempdir())
+    for stale in temp.glob(_RENDEZVOUS_PREFIX + "*"):
+        pid = stale.name[len(_RENDEZVOUS_PREFIX):].partition("-")[0]
+        if pid.isdigit() and process_gone(int(pid)):
+            stale.unlink(missing_ok=True)
+    return str(temp / f"{_RENDEZVOUS_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def skip_shm_comm_build() -> None:
