@@ -36,33 +36,31 @@ def _watch(parent_pid: int, every_s: float = 1.0) -> None:
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-# SGLang's scheduler and detokenizer processes, as SGLang starts them: what each imports first
-CHILD_MODULES = ("sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager")
-
-
 def _cpu_mode(launch_args: list[str]) -> bool:
     return any(a == "--device" and b == "cpu" for a, b in zip(launch_args, launch_args[1:]))
 
 
-def _fork_children_from_a_preloaded_server() -> None:
-    """Start SGLang's scheduler and detokenizer by forkserver, with their modules imported once.
+def _fork_children_from_this_process() -> None:
+    """Start SGLang's scheduler and detokenizer by fork, from this process's imports.
 
     SGLang starts them by spawn: each child is a new interpreter that imports SGLang, torch and
-    transformers again (about 10 s of a core each on a 2-core AMD Zen 3), beside this process's own
-    import. A forkserver imports CHILD_MODULES once and forks each child from that clean process,
-    which then runs as a spawned one would (its arguments pickled, nothing of this process's state
-    inherited). A tiny model's server on a 2-core AMD Zen 3: 36 s -> 24 s of a core to healthy, and
-    2,241 -> 2,057 MiB of memory in all (PSS: the children share the forkserver's pages);
-    tests/test_sglang_server.py 158 -> 120 s of CPU. CPU mode only: on GPUs the start is not the cost."""
+    transformers again (about 10 s of a core each on a 2-core AMD Zen 3), although this process has
+    already imported them all (SGLang's engine imports the scheduler's and detokenizer's entry points)
+    by the time it starts them. Forked, they begin where this process is. What else a fork inherits
+    is harmless here: SGLang starts them before this process opens its HTTP socket or its ZMQ
+    context, and the only other threads then are the parent watch below (asleep, holding no lock)
+    and numpy's and scipy's OpenBLAS pools (which stop themselves before a fork). A tiny model's
+    server on a 2-core AMD Zen 3: 22 s -> 13 s to healthy, 21.5 -> 12.4 s of CPU (a preloaded
+    forkserver, the step before this, saved a third as much: it imported everything once more).
+    CPU mode only: on a GPU, CUDA may not be forked and the start is not the cost."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(list(CHILD_MODULES))
     set_start_method = multiprocessing.set_start_method
 
-    def start_children_by_forkserver(method, force=False):  # SGLang calls set_start_method("spawn", force=True)
-        set_start_method("forkserver" if method == "spawn" else method, force=force)
+    def start_children_by_fork(method, force=False):  # SGLang calls set_start_method("spawn", force=True)
+        set_start_method("fork" if method == "spawn" else method, force=force)
 
-    multiprocessing.set_start_method = start_children_by_forkserver
+    multiprocessing.set_start_method = start_children_by_fork
 
 
 def main() -> None:
@@ -80,7 +78,7 @@ def main() -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     sys.argv = ["sglang.launch_server", *args[3:]]
     if _cpu_mode(args[3:]):
-        _fork_children_from_a_preloaded_server()
+        _fork_children_from_this_process()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 
