@@ -5,27 +5,43 @@ Every `make test` left two or three behind in /tmp before (seen: 18 GiB of them 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_fixed_decoder.py::test_rows_decode_in_power_of_two_buckets",
+         "tests/test_layout.py::test_the_detector_finds_a_circle_around_a_loop"]
 
 
-def _one_test(tmp: Path, keep: bool) -> None:
-    """Two tests on two xdist workers, as `make test` runs them (a worker can end without atexit)."""
+def _pytest(tmp: Path, keep: bool, workers: int) -> set[str]:
+    """TESTS in a pytest process of their own (on `workers` xdist workers, or none), TMPDIR=tmp; the
+    session folders seen in tmp while it ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(TMPDIR=str(tmp), POSTTRAIN_KEEP_TEST_DIR="1" if keep else "0")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                          "tests/test_fixed_decoder.py::test_rows_decode_in_power_of_two_buckets",
-                          "tests/test_layout.py::test_the_detector_finds_a_circle_around_a_loop"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    xdist = ["-n", str(workers)] if workers else ["-p", "no:xdist"]
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, *TESTS],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= {p.name for p in tmp.glob("posttrain-tests-*")}
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.communicate()[0]
+    assert proc.returncode == 0, out[-4000:]
+    return seen
 
 
 def test_a_pytest_process_leaves_no_session_folder_behind(tmp_path):
-    kept, cleaned = tmp_path / "kept", tmp_path / "cleaned"
-    kept.mkdir()
+    """As `make test` runs (two xdist workers; a worker can end without atexit): the controller's and
+    each worker's folder is made where TMPDIR says, and all three are gone when pytest has exited.
+    POSTTRAIN_KEEP_TEST_DIR=1 keeps the folder (one pytest process without workers: the switch is
+    the same in every process)."""
+    cleaned, kept = tmp_path / "cleaned", tmp_path / "kept"
     cleaned.mkdir()
-    _one_test(kept, keep=True)  # the folder is made where TMPDIR says, and kept when asked
-    assert len(list(kept.glob("posttrain-tests-*"))) == 3  # xdist's controller and its two workers
-    _one_test(cleaned, keep=False)
+    kept.mkdir()
+    assert len(_pytest(cleaned, keep=False, workers=2)) == 3  # xdist's controller and its two workers
     assert list(cleaned.glob("posttrain-tests-*")) == []
+    seen = _pytest(kept, keep=True, workers=0)
+    assert len(seen) == 1 and [p.name for p in kept.glob("posttrain-tests-*")] == list(seen)
