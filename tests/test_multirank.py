@@ -15,6 +15,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -391,7 +392,7 @@ def test_what_killed_processes_leave_behind_stalls_no_group_and_is_cleaned_up(tm
     """A process killed while DeepSpeed JIT-built an op leaves torch's lock file behind; a later
     run must still start (this hung CI for 90 minutes before DeepSpeed's shm op was skipped). A
     process killed with its group up leaves the group's rendezvous file in the temp folder; the
-    next group removes it (each CI run used to leave about 35 there)."""
+    next group removes it (each CI run used to leave about 35 there), and no other machine's."""
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "lock").touch()
     temp = tmp_path / "temp"  # the one-rank group's rendezvous file: made here, gone when the process ends
@@ -404,6 +405,9 @@ def test_what_killed_processes_leave_behind_stalls_no_group_and_is_cleaned_up(tm
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     left = list(temp.glob("posttrain-rendezvous-*"))
     assert len(left) == 1, "a SIGKILLed group leaves its file (no destructor runs): the next group removes it"
+    # another machine's (a container sharing the temp folder): its process is not ours to see
+    elsewhere = temp / f"posttrain-rendezvous-not-{socket.gethostname()}-{2 ** 22 + 1}-0f0f"
+    elsewhere.touch()
     code = "from trainer import engine; engine.init_distributed(); print('group', engine.world_size())"
     try:
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -411,7 +415,7 @@ def test_what_killed_processes_leave_behind_stalls_no_group_and_is_cleaned_up(tm
         pytest.fail("init_distributed waited on a stale lock in TORCH_EXTENSIONS_DIR")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "group 1" in out.stdout
-    assert not list(temp.glob("posttrain-rendezvous-*")), "a group's rendezvous file outlived its process"
+    assert list(temp.glob("posttrain-rendezvous-*")) == [elsewhere], "a group's rendezvous file outlived its process"
 
 
 def test_a_zombie_supervisor_counts_as_gone():

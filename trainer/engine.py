@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -125,20 +126,22 @@ _RENDEZVOUS_PREFIX = "posttrain-rendezvous-"
 
 def rendezvous_file() -> str:
     """A fresh path for one group's FileStore (it must not exist before the group starts), in the
-    temp folder and named after this process, which removes it when the group is gone (FileStore
-    does when a one-rank group ends, trainer.launch when its launcher exits). A process killed
-    before that leaves its file behind: each call first removes those whose process is gone."""
+    temp folder and named after this machine and process, which removes it when the group is gone
+    (FileStore does when a one-rank group ends, trainer.launch when its launcher exits). A process
+    killed before that leaves its file behind: each call first removes this machine's whose process
+    is gone. (The machine's name keeps a container that shares the temp folder, with processes this
+    one cannot see, from taking another's live file for a dead one.)"""
     import tempfile
     import uuid
 
     from trainer.procwatch import process_gone
 
-    temp = Path(tempfile.gettempdir())
-    for stale in temp.glob(_RENDEZVOUS_PREFIX + "*"):
-        pid = stale.name[len(_RENDEZVOUS_PREFIX):].partition("-")[0]
+    temp, mine = Path(tempfile.gettempdir()), f"{_RENDEZVOUS_PREFIX}{socket.gethostname()}-"
+    for stale in temp.glob(glob_escape(mine) + "*"):
+        pid = stale.name[len(mine):].partition("-")[0]
         if pid.isdigit() and process_gone(int(pid)):
             stale.unlink(missing_ok=True)
-    return str(temp / f"{_RENDEZVOUS_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    return str(temp / f"{mine}{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def skip_shm_comm_build() -> None:
