@@ -1,6 +1,8 @@
 """The compiled matrix products (`trainer/csrc/gemm.cpp`) against float64 references, on every tile
 remainder (rows, columns and the summed dimension not multiples of the tiles or the vector width),
-strided rows, a summed dimension past the cache block, and from run to run the same bits."""
+strided rows, a summed dimension past the cache block, and from run to run the same bits. Each test
+runs both forms, whichever this CPU takes by default: the register-tiled loops (AVX-512's) and the
+packed one (AVX2's for the training shapes), set through `torch.ops.posttrain.gemm_form`."""
 
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ from trainer import kernels
 
 
 @pytest.fixture(scope="module")
-def ops():
+def built():
     op = kernels.ops()
     assert op is not None, "the compiled kernels did not build: `python -m trainer.kernels -v`"
     return op
+
+
+@pytest.fixture(params=["tiled", "packed"])
+def ops(built, request):
+    """The kernels with every product in one form (the default, "auto", restored after)."""
+    before = built.gemm_form(request.param)
+    try:
+        yield built
+    finally:
+        built.gemm_form(before)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -29,7 +41,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 SIZES = [1, 3, 4, 5, 8, 9, 17, 33, 70]
 
 
-@pytest.mark.parametrize("M,N", list(itertools.product([1, 2, 5, 8, 13, 67], [1, 3, 4, 7, 16, 49, 130])))
+@pytest.mark.parametrize("M,N", list(itertools.product([1, 2, 5, 8, 13, 67, 151], [1, 3, 4, 7, 16, 49, 130])))
 def test_linear_forward_and_both_gradients_on_every_remainder(ops, M, N):
     g = torch.Generator().manual_seed(M * 1000 + N)
     for K in (1, 7, 16, 33, 300):
@@ -51,6 +63,22 @@ def test_long_sums_past_the_cache_block_and_strided_rows(ops):
     _close(ops.linear_dx(dy, w), dy.double() @ w.double())         # sums 1000 terms: 4 blocks of 256
     _close(ops.linear_dw(dy, x), dy.double().T @ x.double())       # 600 terms, 1000 x 576 out
     _close(ops.linear_dw(dy[:0], x[:0]), torch.zeros(1000, 576, dtype=torch.float64))  # an empty sum is 0
+    # past the packed form's block of 1,024 columns, twice, with a remainder
+    x2, w2, dy2 = torch.randn(300, 40, generator=g), torch.randn(2100, 40, generator=g), torch.randn(300, 70, generator=g)
+    big2 = torch.randn(300, 2200, generator=g)
+    _close(ops.linear_fwd(x2, w2, None), x2.double() @ w2.double().T)
+    _close(ops.linear_dw(dy2, big2), dy2.double().T @ big2.double())
+
+
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(ops):
+    """Within one form, a row of x W^T or of dY W is the same bits whichever rows share the call
+    (the head's log-probs recompute a block of rows in the backward pass and get the forward's)."""
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(300, 200, generator=g), torch.randn(150, 200, generator=g), torch.randn(300, 150, generator=g)
+    full_y, full_dx = ops.linear_fwd(x, w, None), ops.linear_dx(dy, w)
+    for lo, hi in ((0, 1), (7, 100), (101, 300)):
+        assert torch.equal(ops.linear_fwd(x[lo:hi], w, None), full_y[lo:hi])
+        assert torch.equal(ops.linear_dx(dy[lo:hi], w), full_dx[lo:hi])
 
 
 def test_same_bits_whatever_the_thread_count(ops):
@@ -67,6 +95,13 @@ def test_same_bits_whatever_the_thread_count(ops):
         torch.set_num_threads(before)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_the_form_is_named_and_a_wrong_name_refused(built):
+    assert built.gemm_form("") == "auto"
+    with pytest.raises(RuntimeError, match="gemm_form: fast is not a form: use auto, packed or tiled"):
+        built.gemm_form("fast")
+    assert built.gemm_form("") == "auto"
 
 
 def test_bad_operands_are_refused_by_name(ops):

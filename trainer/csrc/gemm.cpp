@@ -10,7 +10,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace posttrain {
 namespace {
@@ -26,6 +29,8 @@ constexpr int64_t NT_MB = 64;           // rows of A a task keeps in cache
 constexpr int64_t NT_NCHUNK = 16;       // tiles of B a task takes
 constexpr int64_t KN_MB = 512;          // rows of C a task keeps in cache
 constexpr int64_t KN_KB = 256;          // rows of B summed before C is written
+constexpr int64_t PK_ROWS = 256;        // rows of C from which the packed form runs on AVX2
+constexpr int64_t PK_ROWS_BY_COLUMNS = 64;  // the same, A read down its columns
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -144,10 +149,143 @@ void kn_any(int mr, int nv, bool full, const float* A, int64_t sam, int64_t sak,
   }
 }
 
+
+// The packed form: C[M, N] (+)= sum_k A(m, k) B(k, n), each operand read through its two strides and
+// first copied, a block at a time, into the order the inner loop reads (GotoBLAS's scheme): B's
+// block of PK_KC rows and up to PK_NC columns in panels of PK_NR columns, A's block of rows in panels
+// of PK_MR rows, both zero-filled past the edges. The inner loop then broadcasts an element of A's
+// panel against two vectors of B's and keeps a 6 x 2-vector tile of C in registers (12 of AVX2's 16),
+// with B's panel in L1 and A's block in L2 whatever the operands' strides. Each output is one chain
+// of fused multiply-adds, k ascending, starting from what C holds after the blocks before: the same
+// bits whatever the block sizes, the thread count or which rows share a call.
+constexpr int PK_MR = 6;                 // rows of C in registers
+constexpr int PK_NV = 2;                 // vectors of C's columns in registers
+constexpr int64_t PK_NR = PK_NV * W;     // columns of a panel of B
+constexpr int64_t PK_KC = 256;           // rows of B packed at once: a panel of B is KC x NR
+constexpr int64_t PK_NC = 1024;          // columns of B packed at once
+constexpr int64_t PK_MC = 144;           // rows of A a thread packs at once (its block stays in L2)
+
+std::atomic<int> g_form{0};  // 0 auto, 1 packed wherever it can run, 2 the register-tiled loops only
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A's rows m0.. (mr of them, the rest zero) x columns k0..k0+kc into panels of PK_MR rows: dst[(p, k, r)]
+void pack_a(const float* A, int64_t sam, int64_t sak, int64_t m0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
+  for (int64_t p = 0; p < ceil_div(rows, PK_MR); ++p, dst += kc * PK_MR) {
+    const int64_t mr = std::min<int64_t>(PK_MR, rows - p * PK_MR);
+    const float* src = A + (m0 + p * PK_MR) * sam + k0 * sak;
+    if (sak == 1) {  // rows contiguous: read along each row
+      for (int64_t r = 0; r < PK_MR; ++r)
+        for (int64_t k = 0; k < kc; ++k) dst[k * PK_MR + r] = r < mr ? src[r * sam + k] : 0.f;
+    } else {  // columns contiguous (A = dY^T): read along k's rows
+      for (int64_t k = 0; k < kc; ++k)
+        for (int64_t r = 0; r < PK_MR; ++r) dst[k * PK_MR + r] = r < mr ? src[k * sak + r * sam] : 0.f;
+    }
+  }
+}
+
+// B's rows k0..k0+kc x columns n0.. (cols of them, the rest zero) as one panel of PK_NR columns: dst[(k, j)]
+void pack_b(const float* B, int64_t sbk, int64_t sbn, int64_t k0, int64_t kc, int64_t n0, int64_t cols, float* dst) {
+  const float* src = B + k0 * sbk + n0 * sbn;
+  if (sbn == 1) {  // B's rows contiguous: copy row pieces
+    for (int64_t k = 0; k < kc; ++k) {
+      std::copy(src + k * sbk, src + k * sbk + cols, dst + k * PK_NR);
+      std::fill(dst + k * PK_NR + cols, dst + (k + 1) * PK_NR, 0.f);
+    }
+  } else {  // B(k, n) = W[n, k] (a Linear's weight as stored): read along each weight row
+    for (int64_t j = 0; j < PK_NR; ++j)
+      for (int64_t k = 0; k < kc; ++k) dst[k * PK_NR + j] = j < cols ? src[j * sbn + k * sbk] : 0.f;
+  }
+}
+
+// a PK_MR x PK_NR tile of C (row stride ldc) (+)= A's panel x B's panel over kc
+template <bool FROM_C>
+void pk_tile(int64_t kc, const float* Ap, const float* Bp, float* C, int64_t ldc) {
+  Vec c[PK_MR][PK_NV];
+  for (int r = 0; r < PK_MR; ++r)
+    for (int v = 0; v < PK_NV; ++v) c[r][v] = FROM_C ? Vec::loadu(C + r * ldc + v * W) : Vec(0.f);
+  for (int64_t k = 0; k < kc; ++k, Ap += PK_MR, Bp += PK_NR) {
+    Vec b[PK_NV];
+    for (int v = 0; v < PK_NV; ++v) b[v] = Vec::loadu(Bp + v * W);
+    for (int r = 0; r < PK_MR; ++r) {
+      const Vec a(Ap[r]);
+      for (int v = 0; v < PK_NV; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < PK_MR; ++r)
+    for (int v = 0; v < PK_NV; ++v) c[r][v].store(C + r * ldc + v * W);
+}
+
+void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn,
+                 const float* bias, float* C, int64_t ldc, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  if (K == 0) {  // an empty sum (plus the bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = (accumulate ? C[m * ldc + n] : 0.f) + (bias ? bias[n] : 0.f);
+    return;
+  }
+  // rows per thread's block: enough blocks for every thread (the block size changes no bits)
+  const int64_t mc = std::min<int64_t>(PK_MC, ceil_div(ceil_div(M, at::get_num_threads()), PK_MR) * PK_MR);
+  const int64_t m_blocks = ceil_div(M, mc);
+  std::vector<float> Bp(static_cast<size_t>(PK_KC * std::min<int64_t>(PK_NC, ceil_div(N, PK_NR) * PK_NR)));
+  for (int64_t jc = 0; jc < N; jc += PK_NC) {
+    const int64_t nc = std::min(PK_NC, N - jc), panels = ceil_div(nc, PK_NR);
+    for (int64_t pc = 0; pc < K; pc += PK_KC) {
+      const int64_t kc = std::min(PK_KC, K - pc);
+      at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t q = lo; q < hi; ++q)
+          pack_b(B, sbk, sbn, pc, kc, jc + q * PK_NR, std::min(PK_NR, nc - q * PK_NR), Bp.data() + q * kc * PK_NR);
+      });
+      const bool from_c = accumulate || pc > 0;
+      const float* last_bias = pc + kc == K ? bias : nullptr;
+      at::parallel_for(0, m_blocks, 1, [&](int64_t lo, int64_t hi) {
+        thread_local std::vector<float> Ap;
+        Ap.resize(static_cast<size_t>(PK_MC * PK_KC));
+        float edge[PK_MR * PK_NR];
+        for (int64_t ib = lo; ib < hi; ++ib) {
+          const int64_t m0 = ib * mc, rows = std::min(mc, M - m0);
+          pack_a(A, sam, sak, m0, rows, pc, kc, Ap.data());
+          for (int64_t q = 0; q < panels; ++q) {
+            const int64_t n0 = jc + q * PK_NR, nr = std::min(PK_NR, jc + nc - n0);
+            const float* bp = Bp.data() + q * kc * PK_NR;
+            for (int64_t p = 0; p * PK_MR < rows; ++p) {
+              const int64_t mr = std::min<int64_t>(PK_MR, rows - p * PK_MR);
+              const float* ap = Ap.data() + p * kc * PK_MR;
+              float* c = C + (m0 + p * PK_MR) * ldc + n0;
+              if (mr == PK_MR && nr == PK_NR) {
+                from_c ? pk_tile<true>(kc, ap, bp, c, ldc) : pk_tile<false>(kc, ap, bp, c, ldc);
+              } else {  // an edge tile: through a full-size copy, only its real part written back
+                for (int64_t r = 0; r < PK_MR; ++r)
+                  for (int64_t j = 0; j < PK_NR; ++j) edge[r * PK_NR + j] = from_c && r < mr && j < nr ? c[r * ldc + j] : 0.f;
+                pk_tile<true>(kc, ap, bp, edge, PK_NR);
+                for (int64_t r = 0; r < mr; ++r) std::copy(edge + r * PK_NR, edge + r * PK_NR + nr, c + r * ldc);
+              }
+              if (last_bias)
+                for (int64_t r = 0; r < mr; ++r)
+                  for (int64_t j = 0; j < nr; ++j) c[r * ldc + j] += last_bias[n0 + j];
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+// Whether a product takes the packed form. Auto: on AVX2 only, where the tiled loops reach about half
+// of MKL's rate on the training shapes and the packed form about MKL's (docs/performance.md); the
+// AVX-512 loops, measured faster than MKL, stay. There, from rows enough to pay for packing B (a
+// decoding step's few rows read each weight once, as stored), and for A read down its columns (a
+// weight's gradient, dY^T X) from fewer: the tiled loop reads such an A a few floats a cache line.
+bool packed(int64_t M, int64_t N, int64_t K, bool a_by_columns) {
+  const int form = g_form.load(std::memory_order_relaxed);
+  if (form != 0) return form == 1;
+  return W == 8 && M >= (a_by_columns ? PK_ROWS_BY_COLUMNS : PK_ROWS) && N >= PK_NR && K >= W;
+}
+
 }  // namespace
 
 void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C, int64_t ldc,
              int64_t M, int64_t N, int64_t K) {
+  if (packed(M, N, K, false)) return gemm_packed(A, lda, 1, B, 1, ldb, bias, C, ldc, M, N, K, false);
   const int64_t n_tiles = (N + NT_NR - 1) / NT_NR;
   const int64_t n_chunks = (n_tiles + NT_NCHUNK - 1) / NT_NCHUNK, m_blocks = (M + NT_MB - 1) / NT_MB;
   // a task: one block of A's rows against a chunk of B's tiles (disjoint parts of C)
@@ -169,6 +307,7 @@ void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const flo
 
 void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
              int64_t N, int64_t K, bool accumulate) {
+  if (packed(M, N, K, sak != 1)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
   constexpr int64_t TW = KN_NV * W;  // columns of a tile
   const int64_t col_tiles = (N + TW - 1) / TW, m_blocks = (M + KN_MB - 1) / KN_MB;
   if (K == 0) {  // an empty sum
@@ -239,6 +378,20 @@ at::Tensor linear_dw(const at::Tensor& dy, const at::Tensor& x) {
   return dw;
 }
 
+// Which form the products take: "auto" (`packed` above), "packed" wherever it can run, or "tiled"
+// (the register-tiled loops only); "" only asks. Returns the form that was set. For the tests, which
+// run both forms on any CPU, and for timing one against the other.
+std::string gemm_form(std::string form) {
+  static const char* names[] = {"auto", "packed", "tiled"};
+  const int before = g_form.load();
+  if (!form.empty()) {
+    const auto it = std::find(std::begin(names), std::end(names), form);
+    TORCH_CHECK(it != std::end(names), "gemm_form: ", form, " is not a form: use auto, packed or tiled");
+    g_form.store(static_cast<int>(it - std::begin(names)));
+  }
+  return names[before];
+}
+
 }  // namespace
 }  // namespace posttrain
 
@@ -246,4 +399,5 @@ TORCH_LIBRARY_FRAGMENT(posttrain, m) {
   m.def("linear_fwd", &posttrain::linear_fwd);
   m.def("linear_dx", &posttrain::linear_dx);
   m.def("linear_dw", &posttrain::linear_dw);
+  m.def("gemm_form", &posttrain::gemm_form);
 }
