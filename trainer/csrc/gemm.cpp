@@ -150,37 +150,36 @@ void kn_any(int mr, int nv, bool full, const float* A, int64_t sam, int64_t sak,
 }
 
 
-// The packed form: C[M, N] (+)= sum_k A(m, k) B(k, n), each operand read through its two strides and
-// first copied, a block at a time, into the order the inner loop reads (GotoBLAS's scheme): B's
-// block of PK_KC rows and up to PK_NC columns in panels of PK_NR columns, A's block of rows in panels
-// of PK_MR rows, both zero-filled past the edges. The inner loop then broadcasts an element of A's
-// panel against two vectors of B's and keeps a 6 x 2-vector tile of C in registers (12 of AVX2's 16),
-// with B's panel in L1 and A's block in L2 whatever the operands' strides. Each output is one chain
-// of fused multiply-adds, k ascending, starting from what C holds after the blocks before: the same
-// bits whatever the block sizes, the thread count or which rows share a call.
+// The packed form: C[M, N] (+)= sum_k A(m, k) B(k, n), each operand read through its two strides.
+// B is copied, a block of PK_KC rows and up to PK_NC columns at a time, into panels of PK_NR columns
+// in the order the inner loop reads them (GotoBLAS's scheme), zero-filled past its last column. An A
+// read along its rows (x, dY) is read where it is, six rows at a time; one read down its columns (dY^T,
+// each k a row of dY that may be a vocabulary wide) is copied a thread's block at a time into panels
+// of six rows, the order the inner loop reads, rather than touching a new page every k. The
+// inner loop broadcasts an element of each of A's six rows against two vectors of B's panel and keeps
+// a 6 x 2-vector tile of C in registers (12 of AVX2's 16), B's panel staying in L1 and a thread's
+// block of A's rows in L2. Each output is one chain of fused multiply-adds, k ascending, starting from
+// what C holds after the blocks before: the same bits whatever the block sizes, the thread count or
+// which rows share a call.
 constexpr int PK_MR = 6;                 // rows of C in registers
 constexpr int PK_NV = 2;                 // vectors of C's columns in registers
 constexpr int64_t PK_NR = PK_NV * W;     // columns of a panel of B
 constexpr int64_t PK_KC = 256;           // rows of B packed at once: a panel of B is KC x NR
 constexpr int64_t PK_NC = 1024;          // columns of B packed at once
-constexpr int64_t PK_MC = 144;           // rows of A a thread packs at once (its block stays in L2)
+constexpr int64_t PK_MC = 144;           // rows of A a thread takes at once (they stay in L2)
 
 std::atomic<int> g_form{0};  // 0 auto, 1 packed wherever it can run, 2 the register-tiled loops only
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A's rows m0.. (mr of them, the rest zero) x columns k0..k0+kc into panels of PK_MR rows: dst[(p, k, r)]
-void pack_a(const float* A, int64_t sam, int64_t sak, int64_t m0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
-  for (int64_t p = 0; p < ceil_div(rows, PK_MR); ++p, dst += kc * PK_MR) {
+// A's rows m0.. (rows of them, the rest zero) x columns k0..k0+kc, A read down its columns (sam 1), into
+// panels of PK_MR rows: dst[(panel, k, r)]
+void pack_a(const float* A, int64_t sak, int64_t m0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
+  for (int64_t p = 0; p * PK_MR < rows; ++p, dst += kc * PK_MR) {
     const int64_t mr = std::min<int64_t>(PK_MR, rows - p * PK_MR);
-    const float* src = A + (m0 + p * PK_MR) * sam + k0 * sak;
-    if (sak == 1) {  // rows contiguous: read along each row
-      for (int64_t r = 0; r < PK_MR; ++r)
-        for (int64_t k = 0; k < kc; ++k) dst[k * PK_MR + r] = r < mr ? src[r * sam + k] : 0.f;
-    } else {  // columns contiguous (A = dY^T): read along k's rows
-      for (int64_t k = 0; k < kc; ++k)
-        for (int64_t r = 0; r < PK_MR; ++r) dst[k * PK_MR + r] = r < mr ? src[k * sak + r * sam] : 0.f;
-    }
+    const float* src = A + m0 + p * PK_MR + k0 * sak;
+    for (int64_t k = 0; k < kc; ++k)
+      for (int64_t r = 0; r < PK_MR; ++r) dst[k * PK_MR + r] = r < mr ? src[k * sak + r] : 0.f;
   }
 }
 
@@ -198,22 +197,32 @@ void pack_b(const float* B, int64_t sbk, int64_t sbn, int64_t k0, int64_t kc, in
   }
 }
 
-// a PK_MR x PK_NR tile of C (row stride ldc) (+)= A's panel x B's panel over kc
-template <bool FROM_C>
-void pk_tile(int64_t kc, const float* Ap, const float* Bp, float* C, int64_t ldc) {
+// a PK_MR x PK_NR tile of C (row stride ldc) (+)= A's six rows (A(r, k) = A[r * sam + k * sak]; ROWS:
+// sak is 1, else sam is) x B's panel, over kc
+template <bool FROM_C, bool ROWS>
+void pk_tile(int64_t kc, const float* A, int64_t sam, int64_t sak, const float* Bp, float* C, int64_t ldc) {
   Vec c[PK_MR][PK_NV];
   for (int r = 0; r < PK_MR; ++r)
     for (int v = 0; v < PK_NV; ++v) c[r][v] = FROM_C ? Vec::loadu(C + r * ldc + v * W) : Vec(0.f);
-  for (int64_t k = 0; k < kc; ++k, Ap += PK_MR, Bp += PK_NR) {
+  const float* row[PK_MR];
+  for (int r = 0; r < PK_MR; ++r) row[r] = A + r * sam;
+  for (int64_t k = 0; k < kc; ++k, Bp += PK_NR) {
     Vec b[PK_NV];
     for (int v = 0; v < PK_NV; ++v) b[v] = Vec::loadu(Bp + v * W);
+    const float* col = A + k * sak;
     for (int r = 0; r < PK_MR; ++r) {
-      const Vec a(Ap[r]);
+      const Vec a(ROWS ? row[r][k] : col[r]);
       for (int v = 0; v < PK_NV; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
   }
   for (int r = 0; r < PK_MR; ++r)
     for (int v = 0; v < PK_NV; ++v) c[r][v].store(C + r * ldc + v * W);
+}
+
+template <bool FROM_C>
+void pk_any(bool rows, int64_t kc, const float* A, int64_t sam, int64_t sak, const float* Bp, float* C, int64_t ldc) {
+  if (rows) return pk_tile<FROM_C, true>(kc, A, sam, sak, Bp, C, ldc);
+  return pk_tile<FROM_C, false>(kc, A, sam, sak, Bp, C, ldc);
 }
 
 void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn,
@@ -223,8 +232,10 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
       for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = (accumulate ? C[m * ldc + n] : 0.f) + (bias ? bias[n] : 0.f);
     return;
   }
-  // rows per thread's block: enough blocks for every thread (the block size changes no bits)
-  const int64_t mc = std::min<int64_t>(PK_MC, ceil_div(ceil_div(M, at::get_num_threads()), PK_MR) * PK_MR);
+  const bool rows = sak == 1;
+  // blocks of at most PK_MC rows, as many for each thread (the block size changes no bits)
+  const int64_t threads = at::get_num_threads();
+  const int64_t mc = ceil_div(ceil_div(M, threads * ceil_div(M, threads * PK_MC)), PK_MR) * PK_MR;
   const int64_t m_blocks = ceil_div(M, mc);
   std::vector<float> Bp(static_cast<size_t>(PK_KC * std::min<int64_t>(PK_NC, ceil_div(N, PK_NR) * PK_NR)));
   for (int64_t jc = 0; jc < N; jc += PK_NC) {
@@ -238,26 +249,37 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
       const bool from_c = accumulate || pc > 0;
       const float* last_bias = pc + kc == K ? bias : nullptr;
       at::parallel_for(0, m_blocks, 1, [&](int64_t lo, int64_t hi) {
-        thread_local std::vector<float> Ap;
-        Ap.resize(static_cast<size_t>(PK_MC * PK_KC));
-        float edge[PK_MR * PK_NR];
+        thread_local std::vector<float> Ap;  // a block of A read down its columns, packed
+        if (!rows) Ap.resize(static_cast<size_t>(PK_MC * PK_KC));
+        float edge_a[PK_MR * PK_KC];  // the last rows of A when fewer than six, zero-filled: by columns, sak 6
+        float edge_c[PK_MR * PK_NR];
         for (int64_t ib = lo; ib < hi; ++ib) {
-          const int64_t m0 = ib * mc, rows = std::min(mc, M - m0);
-          pack_a(A, sam, sak, m0, rows, pc, kc, Ap.data());
+          const int64_t m_lo = ib * mc, m_hi = std::min(M, m_lo + mc);
+          if (!rows) pack_a(A, sak, m_lo, m_hi - m_lo, pc, kc, Ap.data());
           for (int64_t q = 0; q < panels; ++q) {
             const int64_t n0 = jc + q * PK_NR, nr = std::min(PK_NR, jc + nc - n0);
             const float* bp = Bp.data() + q * kc * PK_NR;
-            for (int64_t p = 0; p * PK_MR < rows; ++p) {
-              const int64_t mr = std::min<int64_t>(PK_MR, rows - p * PK_MR);
-              const float* ap = Ap.data() + p * kc * PK_MR;
-              float* c = C + (m0 + p * PK_MR) * ldc + n0;
+            for (int64_t m0 = m_lo; m0 < m_hi; m0 += PK_MR) {
+              const int64_t mr = std::min<int64_t>(PK_MR, m_hi - m0);
+              // A's six rows: in place (sak 1), or their packed panel (sam 1, sak 6, zero past the last row)
+              const float* a = rows ? A + m0 * sam + pc : Ap.data() + (m0 - m_lo) * kc;
+              const int64_t asam = rows ? sam : 1, asak = rows ? 1 : PK_MR;
+              float* c = C + m0 * ldc + n0;
               if (mr == PK_MR && nr == PK_NR) {
-                from_c ? pk_tile<true>(kc, ap, bp, c, ldc) : pk_tile<false>(kc, ap, bp, c, ldc);
-              } else {  // an edge tile: through a full-size copy, only its real part written back
+                from_c ? pk_any<true>(rows, kc, a, asam, asak, bp, c, ldc)
+                       : pk_any<false>(rows, kc, a, asam, asak, bp, c, ldc);
+              } else {  // an edge tile: through full-size copies, only its real part written back
+                const float* ea = a;
+                int64_t esam = asam, esak = asak;
+                if (mr < PK_MR && rows) {
+                  for (int64_t k = 0; k < kc; ++k)
+                    for (int64_t r = 0; r < PK_MR; ++r) edge_a[k * PK_MR + r] = r < mr ? a[r * sam + k] : 0.f;
+                  ea = edge_a, esam = 1, esak = PK_MR;
+                }
                 for (int64_t r = 0; r < PK_MR; ++r)
-                  for (int64_t j = 0; j < PK_NR; ++j) edge[r * PK_NR + j] = from_c && r < mr && j < nr ? c[r * ldc + j] : 0.f;
-                pk_tile<true>(kc, ap, bp, edge, PK_NR);
-                for (int64_t r = 0; r < mr; ++r) std::copy(edge + r * PK_NR, edge + r * PK_NR + nr, c + r * ldc);
+                  for (int64_t j = 0; j < PK_NR; ++j) edge_c[r * PK_NR + j] = from_c && r < mr && j < nr ? c[r * ldc + j] : 0.f;
+                pk_any<true>(esak == 1, kc, ea, esam, esak, bp, edge_c, PK_NR);
+                for (int64_t r = 0; r < mr; ++r) std::copy(edge_c + r * PK_NR, edge_c + r * PK_NR + nr, c + r * ldc);
               }
               if (last_bias)
                 for (int64_t r = 0; r < mr; ++r)
