@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -170,8 +171,6 @@ constexpr int64_t PK_MC = 144;           // rows of A a thread takes at once (th
 
 std::atomic<int> g_form{0};  // 0 auto, 1 packed wherever it can run, 2 the register-tiled loops only
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // A's rows m0.. (rows of them, the rest zero) x columns k0..k0+kc, A read down its columns (sam 1), into
 // panels of PK_MR rows: dst[(panel, k, r)]
 void pack_a(const float* A, int64_t sak, int64_t m0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
@@ -235,16 +234,17 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
   const bool rows = sak == 1;
   // blocks of at most PK_MC rows, as many for each thread (the block size changes no bits)
   const int64_t threads = at::get_num_threads();
-  const int64_t mc = ceil_div(ceil_div(M, threads * ceil_div(M, threads * PK_MC)), PK_MR) * PK_MR;
-  const int64_t m_blocks = ceil_div(M, mc);
-  std::vector<float> Bp(static_cast<size_t>(PK_KC * std::min<int64_t>(PK_NC, ceil_div(N, PK_NR) * PK_NR)));
+  const int64_t mc = at::divup(at::divup(M, threads * at::divup(M, threads * PK_MC)), PK_MR) * PK_MR;
+  const int64_t m_blocks = at::divup(M, mc);
+  // B's packed block, every element written by pack_b before it is read (so left uninitialised)
+  const std::unique_ptr<float[]> Bp(new float[PK_KC * std::min<int64_t>(PK_NC, at::divup(N, PK_NR) * PK_NR)]);
   for (int64_t jc = 0; jc < N; jc += PK_NC) {
-    const int64_t nc = std::min(PK_NC, N - jc), panels = ceil_div(nc, PK_NR);
+    const int64_t nc = std::min(PK_NC, N - jc), panels = at::divup(nc, PK_NR);
     for (int64_t pc = 0; pc < K; pc += PK_KC) {
       const int64_t kc = std::min(PK_KC, K - pc);
       at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t q = lo; q < hi; ++q)
-          pack_b(B, sbk, sbn, pc, kc, jc + q * PK_NR, std::min(PK_NR, nc - q * PK_NR), Bp.data() + q * kc * PK_NR);
+          pack_b(B, sbk, sbn, pc, kc, jc + q * PK_NR, std::min(PK_NR, nc - q * PK_NR), Bp.get() + q * kc * PK_NR);
       });
       const bool from_c = accumulate || pc > 0;
       const float* last_bias = pc + kc == K ? bias : nullptr;
@@ -258,7 +258,7 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
           if (!rows) pack_a(A, sak, m_lo, m_hi - m_lo, pc, kc, Ap.data());
           for (int64_t q = 0; q < panels; ++q) {
             const int64_t n0 = jc + q * PK_NR, nr = std::min(PK_NR, jc + nc - n0);
-            const float* bp = Bp.data() + q * kc * PK_NR;
+            const float* bp = Bp.get() + q * kc * PK_NR;
             for (int64_t m0 = m_lo; m0 < m_hi; m0 += PK_MR) {
               const int64_t mr = std::min<int64_t>(PK_MR, m_hi - m0);
               // A's six rows: in place (sak 1), or their packed panel (sam 1, sak 6, zero past the last row)

@@ -10,8 +10,9 @@
 //    strided, B = X), with the sum split into blocks of K so that B's panel stays in cache.
 //
 // On AVX2 the products with enough rows take a third, packed form instead (gemm.cpp's `gemm_packed`:
-// both operands copied a block at a time into the order its 6 x 16 register tile reads), which the
-// loops above reach only half the rate of there; `torch.ops.posttrain.gemm_form` sets one form for all.
+// B, and an A read down its columns, copied a block at a time into the order its 6 x 16 register
+// tile reads), which the loops above reach only half the rate of there; `torch.ops.posttrain.gemm_form`
+// sets one form for all.
 //
 // Every output element is summed by one thread in a fixed order (k ascending, in vector lanes then
 // across them), whatever the thread count or timing: the results are the same bits from run to run.
