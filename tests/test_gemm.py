@@ -81,6 +81,19 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(ops):
         assert torch.equal(ops.linear_dx(dy[lo:hi], w), full_dx[lo:hi])
 
 
+@pytest.mark.parametrize("M", [5, 300])  # below and above the packed form's rows on AVX2
+def test_layers_side_by_side_are_the_bits_of_their_concatenation(ops, M):
+    """linears_fwd (q/k/v and gate/up in one call) writes each layer's product at its columns: the
+    bits of torch.cat over linear_fwd, biases or None, widths that are not multiples of a tile."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 200, generator=g)
+    ws = [torch.randn(n, 200, generator=g) for n in (150, 49, 49, 1030)]
+    bs = [torch.randn(150, generator=g), None, torch.randn(49, generator=g), None]
+    want = torch.cat([ops.linear_fwd(x, w, b) for w, b in zip(ws, bs)], dim=-1)
+    assert torch.equal(ops.linears_fwd(x, ws, bs), want)
+    assert torch.equal(ops.linears_fwd(x, ws[:1], bs[:1]), want[:, :150])
+
+
 def test_same_bits_whatever_the_thread_count(ops):
     """Each output is summed by one thread in one order: 1 and 2 threads give identical bits."""
     g = torch.Generator().manual_seed(1)
@@ -114,6 +127,12 @@ def test_bad_operands_are_refused_by_name(ops):
         ops.linear_fwd(x, torch.randn(8, 5).T, None)
     with pytest.raises(RuntimeError, match="linear_fwd: b must be a contiguous float32"):
         ops.linear_fwd(x, w, torch.randn(4))
+    with pytest.raises(RuntimeError, match="linears_fwd: 2 weights and 1 biases: give one bias"):
+        ops.linears_fwd(x, [w, w], [None])
+    with pytest.raises(RuntimeError, match=r"linears_fwd: shapes disagree: x \[4, 8\], w 1 \[5, 9\]"):
+        ops.linears_fwd(x, [w, torch.randn(5, 9)], [None, None])
+    with pytest.raises(RuntimeError, match="linears_fwd: b 1 must be a contiguous float32 \\[5\\]"):
+        ops.linears_fwd(x, [w, w], [None, torch.randn(4)])
     with pytest.raises(RuntimeError, match="linear_dx: shapes disagree"):
         ops.linear_dx(torch.randn(4, 6), w)
     with pytest.raises(RuntimeError, match="linear_dw: shapes disagree"):

@@ -1,4 +1,4 @@
-// See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linear_dx / linear_dw for
+// See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linears_fwd / linear_dx / linear_dw for
 // trainer/fasttrain.py's Linear and trainer/inference/cpu.py's output head; decode_layer.cpp calls
 // gemm_nt directly.
 
@@ -378,6 +378,34 @@ at::Tensor linear_fwd(const at::Tensor& x, const at::Tensor& w, const std::optio
   return y;
 }
 
+// y = x [w_1; ...; w_n]^T (+ [b_1; ...; b_n]): the layers' outputs side by side, each written in place
+// at its columns (row stride the sum of their widths) by the same product as linear_fwd's, so the
+// same bits as their torch.cat without the copy. bs[i] None where layer i has no bias.
+at::Tensor linears_fwd(const at::Tensor& x, at::TensorList ws, const c10::List<std::optional<at::Tensor>>& bs) {
+  check2d(x, "linears_fwd", "x");
+  TORCH_CHECK(!ws.empty() && bs.size() == ws.size(), "linears_fwd: ", ws.size(), " weights and ", bs.size(),
+              " biases: give one bias (or None) for each weight");
+  int64_t width = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check2d(ws[i], "linears_fwd", "each w");
+    TORCH_CHECK(x.size(1) == ws[i].size(1), "linears_fwd: shapes disagree: x ", x.sizes(), ", w ", i, " ", ws[i].sizes());
+    const std::optional<at::Tensor> b = bs.get(i);
+    TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == ws[i].size(0)),
+                "linears_fwd: b ", i, " must be a contiguous float32 [", ws[i].size(0), "]");
+    width += ws[i].size(0);
+  }
+  at::Tensor y = at::empty({x.size(0), width}, x.options());
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const std::optional<at::Tensor> b = bs.get(i);
+    gemm_nt(x.data_ptr<float>(), x.stride(0), ws[i].data_ptr<float>(), ws[i].stride(0),
+            b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>() + col, width, x.size(0), ws[i].size(0),
+            x.size(1));
+    col += ws[i].size(0);
+  }
+  return y;
+}
+
 // dx = dy w: dy [M, N], w [N, K]
 at::Tensor linear_dx(const at::Tensor& dy, const at::Tensor& w) {
   check2d(dy, "linear_dx", "dy");
@@ -419,6 +447,7 @@ std::string gemm_form(std::string form) {
 
 TORCH_LIBRARY_FRAGMENT(posttrain, m) {
   m.def("linear_fwd", &posttrain::linear_fwd);
+  m.def("linears_fwd", &posttrain::linears_fwd);
   m.def("linear_dx", &posttrain::linear_dx);
   m.def("linear_dw", &posttrain::linear_dw);
   m.def("gemm_form", &posttrain::gemm_form);

@@ -230,7 +230,10 @@ class FastDecoder:
         ops = torch.ops.posttrain if self.kernel is not None else None
         c = ops is not None
         x = _rms(h, *L.ln1) if ops is None else ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln1)[0].view(B, S, H)
-        qkv = torch.cat([_linear(x, L.wq, L.bq, c), _linear(x, L.wk, L.bk, c), _linear(x, L.wv, L.bv, c)], dim=-1)
+        if c:  # the three products written side by side (no torch.cat)
+            qkv = ops.linears_fwd(x.reshape(B * S, H), [L.wq, L.wk, L.wv], [L.bq, L.bk, L.bv]).view(B, S, -1)
+        else:
+            qkv = torch.cat([F.linear(x, L.wq, L.bq), F.linear(x, L.wk, L.bk), F.linear(x, L.wv, L.bv)], dim=-1)
         fused_rotary = ops is not None and L.qn is None  # q/k norms come between the product and rotary
         if fused_rotary:
             qkv = ops.rotary(qkv.view(B * S, -1), cos.reshape(B * S, hd), sin.reshape(B * S, hd), nh + nkv, hd,
@@ -250,7 +253,7 @@ class FastDecoder:
             ops = torch.ops.posttrain
             h = h + _linear(o, L.wo, L.bo, True)
             x = ops.rms_norm_fwd(h.reshape(B * S, H), *L.ln2)[0]
-            gu = torch.cat([ops.linear_fwd(x, L.wg, None), ops.linear_fwd(x, L.wu, None)], dim=-1)
+            gu = ops.linears_fwd(x, [L.wg, L.wu], [None, None])
             return h + ops.linear_fwd(ops.swiglu_fwd(gu), L.wd, None).view(B, S, H)
         h = h + F.linear(o, L.wo, L.bo)
         x = _rms(h, *L.ln2)
