@@ -94,6 +94,21 @@ def test_layers_side_by_side_are_the_bits_of_their_concatenation(ops, M):
     assert torch.equal(ops.linears_fwd(x, ws[:1], bs[:1]), want[:, :150])
 
 
+@pytest.mark.parametrize("M", [5, 300])
+def test_layers_input_gradient_is_one_sum_over_their_columns(ops, M):
+    """linears_dx (the gradient through q/k/v or gate/up) adds each layer's product where the one
+    before left it: the bits of linear_dx on the stacked weight, one FMA chain per element, and a
+    sum past the 256-column block across a layer's edge."""
+    g = torch.Generator().manual_seed(M + 1)
+    ws = [torch.randn(n, 70, generator=g) for n in (150, 49, 1, 300)]
+    dy = torch.randn(M, 500, generator=g)
+    got = ops.linears_dx(dy, ws)
+    assert torch.equal(got, ops.linear_dx(dy, torch.cat(ws)))
+    _close(got, dy.double() @ torch.cat(ws).double())
+    wide = torch.randn(M, 520, generator=g)[:, :500]  # dy's rows at a stride (a slice of a wider tensor)
+    assert torch.equal(ops.linears_dx(wide, ws), ops.linear_dx(wide.contiguous(), torch.cat(ws)))
+
+
 def test_same_bits_whatever_the_thread_count(ops):
     """Each output is summed by one thread in one order: 1 and 2 threads give identical bits."""
     g = torch.Generator().manual_seed(1)
@@ -133,6 +148,10 @@ def test_bad_operands_are_refused_by_name(ops):
         ops.linears_fwd(x, [w, torch.randn(5, 9)], [None, None])
     with pytest.raises(RuntimeError, match="linears_fwd: b 1 must be a contiguous float32 \\[5\\]"):
         ops.linears_fwd(x, [w, w], [None, torch.randn(4)])
+    with pytest.raises(RuntimeError, match=r"linears_dx: shapes disagree: dy \[4, 6\] against weights 10 rows in all"):
+        ops.linears_dx(torch.randn(4, 6), [w, w])
+    with pytest.raises(RuntimeError, match=r"linears_dx: shapes disagree: w 0 \[5, 8\], w 1 \[1, 9\]"):
+        ops.linears_dx(torch.randn(4, 6), [w, torch.randn(1, 9)])
     with pytest.raises(RuntimeError, match="linear_dx: shapes disagree"):
         ops.linear_dx(torch.randn(4, 6), w)
     with pytest.raises(RuntimeError, match="linear_dw: shapes disagree"):

@@ -5,8 +5,10 @@ them: HF's layer runs RMSNorm, rotary and SwiGLU as 3 to 10 torch ops each, forw
 every one a trip through memory. Here the same layer runs on the model's own parameters with
 
 - every linear layer's forward and both gradients as `trainer/csrc/gemm.h`'s products on the
-  weights as stored ([out, in]); q/k/v and gate/up share one call with their outputs side by side,
-  and each weight's gradient comes back as its own tensor (nothing concatenated or split);
+  weights as stored ([out, in]); q/k/v and gate/up share one call with their outputs written side
+  by side, their input gradient is one sum over all their columns (each layer's product added where
+  the one before left it), and each weight's gradient comes back as its own tensor (nothing
+  concatenated or split);
 - RMSNorm, rotary and SwiGLU each one pass forward and one backward, compiled
   (`trainer/csrc/train_ops.cpp`, wrapped below as autograd Functions);
 - attention as torch's SDPA on the same masks as the model's, query heads reading their shared KV
@@ -114,12 +116,11 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, *ws = ctx.saved_tensors
         n = len(ws)
-        parts = dy.contiguous().split(ctx.widths, dim=-1)  # views: the kernels read rows at dy's stride
+        dy = dy.contiguous()
+        parts = dy.split(ctx.widths, dim=-1)  # views: the kernels read rows at dy's stride
         dx = None
-        if ctx.needs_input_grad[0]:
-            for p, w in zip(parts, ws):
-                d = torch.ops.posttrain.linear_dx(p, w)
-                dx = d if dx is None else dx.add_(d)
+        if ctx.needs_input_grad[0]:  # one sum over all the parts' columns (not a sum of n products)
+            dx = torch.ops.posttrain.linear_dx(dy, ws[0]) if n == 1 else torch.ops.posttrain.linears_dx(dy, list(ws))
         dws = [torch.ops.posttrain.linear_dw(p, x) if ctx.needs_input_grad[2 + i] else None
                for i, p in enumerate(parts)]
         dbs = [p.sum(0) if biased and ctx.needs_input_grad[2 + n + i] else None

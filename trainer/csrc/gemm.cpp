@@ -1,6 +1,6 @@
-// See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linears_fwd / linear_dx / linear_dw for
-// trainer/fasttrain.py's Linear and trainer/inference/cpu.py's output head; decode_layer.cpp calls
-// gemm_nt directly.
+// See gemm.h. Registered as torch.ops.posttrain.linear_fwd / linears_fwd / linear_dx / linears_dx /
+// linear_dw for trainer/fasttrain.py's Linear and trainer/inference/cpu.py's prefill and output head;
+// decode_layer.cpp calls gemm_nt directly.
 
 #include "gemm.h"
 
@@ -417,6 +417,32 @@ at::Tensor linear_dx(const at::Tensor& dy, const at::Tensor& w) {
   return dx;
 }
 
+// dx = dy [w_1; ...; w_n]: dy [M, N_1 + ... + N_n] (the layers' output gradients side by side), each
+// w_i [N_i, K]. Each layer's product adds into dx where the one before left it, so every element is
+// one FMA chain over all of dy's columns, ascending: the bits of linear_dx on the stacked weight,
+// without stacking it, and without a sum of n rounded parts (and its passes over dx).
+at::Tensor linears_dx(const at::Tensor& dy, at::TensorList ws) {
+  check2d(dy, "linears_dx", "dy");
+  TORCH_CHECK(!ws.empty(), "linears_dx: no weights");
+  int64_t width = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check2d(ws[i], "linears_dx", "each w");
+    TORCH_CHECK(ws[i].size(1) == ws[0].size(1), "linears_dx: shapes disagree: w 0 ", ws[0].sizes(), ", w ", i, " ",
+                ws[i].sizes());
+    width += ws[i].size(0);
+  }
+  TORCH_CHECK(dy.size(1) == width, "linears_dx: shapes disagree: dy ", dy.sizes(), " against weights ", width,
+              " rows in all");
+  at::Tensor dx = at::empty({dy.size(0), ws[0].size(1)}, dy.options());
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    gemm_kn(dy.data_ptr<float>() + col, dy.stride(0), 1, ws[i].data_ptr<float>(), ws[i].stride(0), dx.data_ptr<float>(),
+            dx.size(1), dy.size(0), dx.size(1), ws[i].size(0), i > 0);
+    col += ws[i].size(0);
+  }
+  return dx;
+}
+
 // dw = dy^T x: dy [M, N], x [M, K] -> [N, K]
 at::Tensor linear_dw(const at::Tensor& dy, const at::Tensor& x) {
   check2d(dy, "linear_dw", "dy");
@@ -449,6 +475,7 @@ TORCH_LIBRARY_FRAGMENT(posttrain, m) {
   m.def("linear_fwd", &posttrain::linear_fwd);
   m.def("linears_fwd", &posttrain::linears_fwd);
   m.def("linear_dx", &posttrain::linear_dx);
+  m.def("linears_dx", &posttrain::linears_dx);
   m.def("linear_dw", &posttrain::linear_dw);
   m.def("gemm_form", &posttrain::gemm_form);
 }
