@@ -108,8 +108,6 @@ class _Linear(torch.autograd.Function):
         x = x.contiguous()
         ctx.save_for_backward(x, *ws)
         ctx.widths, ctx.biased = [w.shape[0] for w in ws], [b is not None for b in bs]
-        if n == 1:
-            return torch.ops.posttrain.linear_fwd(x, ws[0], bs[0])
         return torch.ops.posttrain.linears_fwd(x, list(ws), list(bs))  # written side by side: no torch.cat
 
     @staticmethod
@@ -118,9 +116,8 @@ class _Linear(torch.autograd.Function):
         n = len(ws)
         dy = dy.contiguous()
         parts = dy.split(ctx.widths, dim=-1)  # views: the kernels read rows at dy's stride
-        dx = None
-        if ctx.needs_input_grad[0]:  # one sum over all the parts' columns (not a sum of n products)
-            dx = torch.ops.posttrain.linear_dx(dy, ws[0]) if n == 1 else torch.ops.posttrain.linears_dx(dy, list(ws))
+        # one sum over all the parts' columns (not a sum of n products)
+        dx = torch.ops.posttrain.linears_dx(dy, list(ws)) if ctx.needs_input_grad[0] else None
         dws = [torch.ops.posttrain.linear_dw(p, x) if ctx.needs_input_grad[2 + i] else None
                for i, p in enumerate(parts)]
         dbs = [p.sum(0) if biased and ctx.needs_input_grad[2 + n + i] else None
