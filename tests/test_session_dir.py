@@ -31,9 +31,10 @@ def _watch(runs: dict[Path, subprocess.Popen]) -> dict[Path, set[str]]:
             if proc.poll() is None:
                 seen[tmp] |= {p.name for p in tmp.glob("posttrain-tests-*")}
         time.sleep(0.05)
-    for proc in runs.values():
+    for proc in runs.values():  # past the deadline: none left running, whichever fails first
         if proc.poll() is None:
             proc.kill()
+    for proc in runs.values():
         out = proc.communicate()[0]
         assert proc.returncode == 0, out[-4000:]
     return seen
