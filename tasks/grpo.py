@@ -31,6 +31,10 @@ from tasks.sft import model_dir
 if TYPE_CHECKING:
     from trainer.grpo import GRPOTrainer
 
+# what on_rank imports when it runs: a launcher that forks the ranks imports them once first
+# (tasks/rank_main.py's preload)
+RANK_IMPORTS = ("trainer.grpo", "trainer.loop", "trainer.model", "trainer.tokenizer", "trainer.lora")
+
 
 def launch_sglang(cfg, sft: dict):
     """SGLang servers on the SFT policy (or connections to rollout.sglang.urls), healthy."""

@@ -1,6 +1,7 @@
 """One rank of a launched stage (see trainer.launch):
 
     python -m trainer.local_launch --nprocs N ... -- python -u -m tasks.rank_main --spec <work>/launch_spec.json
+      (the launcher calls `preload` once, then forks the ranks, each running `main`; see its doc)
     python -m deepspeed.launcher.runner --hostfile H ... --module tasks.rank_main --spec <work>/launch_spec.json
 
 Every rank runs the same stage body as the one-rank path; rank 0 logs to the stage's MLflow run
@@ -10,6 +11,7 @@ and writes `launch_result.json` last, which the supervising task reads.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -44,11 +46,36 @@ def run_body(stage: str, cfg, inputs: dict, work: Path, logger) -> dict:
     return stages.load(row.rank_body)(cfg, inputs, work, logger)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tasks.rank_main")
     parser.add_argument("--spec", required=True, help="launch_spec.json written by the stage's task")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the launcher")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def preload(argv: list[str]) -> None:
+    """What every rank of the spec's stage imports, imported once by trainer.local_launch before it
+    forks the ranks: torch, DeepSpeed (with what its `initialize` imports on first use: the ZeRO
+    optimizers' Muon check loads TorchInductor), MLflow's store and the stage's rank body with the
+    modules it names in RANK_IMPORTS. Nothing here starts a thread or touches a device."""
+    spec = json.loads(Path(_parser().parse_known_args(argv)[0].spec).read_text())
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
+    from tasks import lease, stages, tracking  # noqa: F401
+    from trainer import checkpoint, engine, launch  # noqa: F401
+
+    if spec.get("mlflow"):
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    row = stages.of_kind(spec["stage"])
+    if row.rank_body is not None:
+        body = importlib.import_module(row.rank_body.partition(":")[0])
+        for name in getattr(body, "RANK_IMPORTS", ()):
+            importlib.import_module(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
 
     from trainer import engine as ds, launch

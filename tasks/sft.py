@@ -13,6 +13,10 @@ from tasks.prepare_data import load_split
 from tasks.tokenizer import tokenizer_dir
 from trainer import storage
 
+# what on_rank imports when it runs: a launcher that forks the ranks imports them once first
+# (tasks/rank_main.py's preload)
+RANK_IMPORTS = ("trainer.model", "trainer.sft", "trainer.tokenizer", "trainer.lora")
+
 
 def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger,
                      fault_at_step: int | None = None) -> dict:

@@ -435,3 +435,77 @@ def test_a_zombie_supervisor_counts_as_gone():
     finally:
         child.wait()
     assert process_gone(child.pid)
+
+
+def _probe(tmp_path: Path, nprocs: int, *args: str, start: str = "fork", omp: str | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "POSTTRAIN_RANK_START")}
+    env["POSTTRAIN_RANK_START"] = start
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    return subprocess.run([sys.executable, "-u", "-m", "trainer.local_launch", "--nprocs", str(nprocs), "--master_port",
+                           "29997", "--", sys.executable, "-u", "-m", "tests.rank_probe", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_forked_ranks_import_their_module_once_and_live_and_exit_as_spawned_ones(tmp_path, start):
+    """`python -u -m MODULE` ranks are forked from the launcher after it imported MODULE and ran its
+    preload once (POSTTRAIN_RANK_START=spawn: fresh processes, the module imported by each). Either
+    way each rank gets the same arguments, environment and share of the cores as torch threads, runs
+    a parallel product on them, and exits as `python -m` does: an idle thread pool and a non-daemon
+    thread waited for, atexit handlers run, its return code, an exception's traceback and exit 1."""
+    from trainer.local_launch import rank_threads
+
+    out = _probe(tmp_path, 2, "ok", start=start)
+    assert out.returncode == 0, out.stdout + out.stderr
+    launcher = [int(m) for m in re.findall(r"process (\d+) spawned", out.stdout)]
+    assert len(launcher) == 2
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for i, r in enumerate(ranks):
+        assert r["argv"] == r["sys_argv"] == [str(tmp_path), "ok", f"--local_rank={i}"]
+        assert r["env"] == {"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29997", "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+        assert r["threads"] == rank_threads(2) and r["product_ok"]
+        assert (tmp_path / f"late{i}").exists()  # the non-daemon thread ran to its end
+        assert (tmp_path / f"atexit{i}").read_text() == "False"  # after the thread was joined
+    if start == "fork":
+        preload = json.loads((tmp_path / "preload.json").read_text())
+        assert preload["argv"] == [str(tmp_path), "ok"]
+        assert all(r["ppid"] == preload["pid"] and r["preloaded"] for r in ranks)
+        assert out.stdout.count("forked from this process, tests.rank_probe imported once") == 2
+    else:
+        assert not (tmp_path / "preload.json").exists() and not any(r["preloaded"] for r in ranks)
+        assert "forked from this process" not in out.stdout
+    assert sorted(r["pid"] for r in ranks) == sorted(launcher)
+
+    for f in tmp_path.iterdir():
+        f.unlink()
+    failed = _probe(tmp_path, 2, "exit", "7", start=start, omp="2")
+    assert failed.returncode == 7 and "exits with return code = 7" in failed.stdout, failed.stdout + failed.stderr
+    assert [json.loads((tmp_path / f"rank{i}.json").read_text())["threads"] for i in range(2)] == [min(2, os.cpu_count())] * 2
+    raised = _probe(tmp_path, 1, "raise", start=start)
+    assert raised.returncode == 1, raised.stdout + raised.stderr
+    assert "RuntimeError: rank 0 raised on purpose" in raised.stderr and "ForkedRank" not in raised.stderr
+
+
+def test_the_local_launcher_stops_forked_ranks_on_sigterm(tmp_path):
+    """SIGTERM to a launcher that forked its ranks stops every one of them, as spawned ones are."""
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "trainer.local_launch", "--nprocs", "2", "--master_port",
+                             "29997", "--", sys.executable, "-u", "-m", "tests.rank_probe", str(tmp_path), "sleep",
+                             "600"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "POSTTRAIN_RANK_START": "fork"})
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        pids = [int(re.search(r"process (\d+) spawned", line).group(1)) for line in lines]
+        assert all("forked from this process" in line for line in lines), lines
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{i}.json").exists() for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+        rest = proc.stdout.read()
+        assert sorted(int(p) for p in re.findall(r"Killing subprocess (\d+)", rest)) == sorted(pids), rest
+        assert not [p for p in pids if psutil.pid_exists(p)]
+    finally:
+        proc.kill()
