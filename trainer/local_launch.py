@@ -9,8 +9,8 @@ on a 2-core AVX2 machine), then forks each rank, which calls `MODULE.main(ARGS +
 and exits as `python -m` would. Ranks are spawned as fresh processes instead where a GPU device
 exists (CUDA must not be initialized before a fork, and importing DeepSpeed asks torch about
 devices), where POSTTRAIN_RANK_START=spawn, where preloading left a thread running (a fork copies
-only the thread that forks), and for any other command. Until it forks this process imports only
-the standard library.
+only the thread that forks), and for any other command. A launcher that spawns its ranks imports
+only the standard library.
 
 `deepspeed.launcher.runner` and the `deepspeed.launcher.launch` it starts are two processes that each
 import DeepSpeed and torch (about 8 s of a core each on a 2-core AVX2 machine, 13-25 s of waiting
