@@ -69,7 +69,7 @@ def preload(argv: list[str]) -> None:
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     row = stages.of_kind(spec["stage"])
     if row.rank_body is not None:
-        body = importlib.import_module(row.rank_body.partition(":")[0])
+        body = sys.modules[stages.load(row.rank_body).__module__]
         for name in getattr(body, "RANK_IMPORTS", ()):
             importlib.import_module(name)
 

@@ -113,14 +113,14 @@ class Ranks:
                    LOCAL_SIZE=str(nprocs), CROSS_RANK="0", CROSS_SIZE="1")
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(rank_threads(nprocs)))
         target = self.preload(command, env)
+        module, argv, unbuffered = target or (None, [], False)
         self.spawning = True
         for i in range(nprocs):
             cmd = [*command, f"--local_rank={i}"]
-            if target is None:
+            if module is None:
                 pid = subprocess.Popen(cmd, env={**os.environ, **env, "RANK": str(i), "LOCAL_RANK": str(i)}).pid
                 how = ""  # reaped below with os.waitpid, not through the Popen object
             else:
-                module, argv, unbuffered = target
                 pid = self.fork(ForkedRank(module, [*argv, f"--local_rank={i}"], unbuffered),
                                 {"RANK": str(i), "LOCAL_RANK": str(i)})
                 how = f" (forked from this process, {module.__name__} imported once)"
