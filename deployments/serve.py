@@ -125,6 +125,18 @@ def mlflow_server_cmd(store: str, port: int, *extra: str) -> list[str]:
             "--workers", "1", *extra]
 
 
+def prepare_store(uri: str) -> None:
+    """Create (or migrate) a SQLite tracking store's tables before `mlflow server` opens it, under the
+    file lock every posttrain process takes for that (tasks.tracking.mlflow_client): a server and a
+    pipeline run, or two servers, meeting a new store at once would otherwise both create its tables
+    and one fail. A relative path is the server's, under the project. Other stores: nothing to do."""
+    if not uri.startswith("sqlite:///"):
+        return
+    from tasks.tracking import mlflow_client
+
+    mlflow_client("sqlite:///" + str(ROOT / Path(uri[len("sqlite:///"):]).expanduser()))
+
+
 def _spawn(services: Services, name: str, cmd: list[str]) -> None:
     log = open(services.logs / f"{name}.log", "ab")
     services.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=services.env, stdout=log, stderr=subprocess.STDOUT,
@@ -167,6 +179,7 @@ def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[st
         _spawn(services, "prefect-server",
                [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
         if mlflow_port:  # starts beside the Prefect server; waited for once the deployments are in
+            prepare_store(env["MLFLOW_TRACKING_URI"])
             _spawn(services, "mlflow-ui", mlflow_server_cmd(env["MLFLOW_TRACKING_URI"], mlflow_port))
         _wait(f"{api}/health", "the Prefect server", services)
         _run(services, [_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],

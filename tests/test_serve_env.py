@@ -1,10 +1,13 @@
 """`make serve`'s environment and port check, without starting anything."""
 
+import fcntl
 import socket
+import sqlite3
+import threading
 
 import pytest
 
-from deployments.serve import ROOT, PortTaken, check_port, service_env
+from deployments.serve import ROOT, PortTaken, check_port, prepare_store, service_env
 
 
 def test_prefect_state_stays_under_the_project_unless_prefect_home_is_set():
@@ -22,3 +25,21 @@ def test_a_taken_port_is_named_with_the_fix():
         with pytest.raises(PortTaken, match=rf"port {port} on 127.0.0.1 is taken .*SERVE_ARGS='--mlflow-port <port>'"):
             check_port(port, "the MLflow UI", "--mlflow-port")
     check_port(port, "the MLflow UI", "--mlflow-port")  # free again
+
+
+def test_a_new_sqlite_store_gets_its_tables_under_the_lock_before_the_mlflow_server_opens_it(tmp_path):
+    """`make serve` creates a new store's tables itself, waiting on the lock a pipeline run (or
+    another server) holds while it does the same: two creators at once leave one failing."""
+    db = tmp_path / "mlflow.db"
+    done = threading.Event()
+    with open(tmp_path / "mlflow.db.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as tasks.tracking.mlflow_client holds it
+        t = threading.Thread(target=lambda: (prepare_store(f"sqlite:///{db}"), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(1.0), "prepare_store did not wait for the store's lock"
+    t.join(120)
+    assert done.is_set()
+    with sqlite3.connect(db) as con:
+        tables = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
+    assert {"experiments", "runs", "registered_models", "alembic_version"} <= tables
+    prepare_store("postgresql://db.example/mlflow")  # a server-backed store: its server sets it up
