@@ -7,9 +7,9 @@ quietly and once squeezed: the same threads (OMP_NUM_THREADS=2 in both) on one c
 machine whose other cores are taken, so the scheduler preempts the run's own threads in the middle
 of its threaded ops. It compares the weights' hashes bit for bit: a run SIGKILLed mid-round squeezed
 and resumed squeezed (SFT and every GRPO round trained so), and GRPO alone with kernels off, ZeRO-3
-on one rank and ZeRO-2 on two gloo ranks. The shapes are big enough that torch's threaded code paths
-run (its CPU `index_put_` with accumulate, for one, goes multi-threaded with atomics past 32,768
-elements): without `trainer.engine.deterministic` and the `index_select` gathers of the
+on one rank, ZeRO-2 on two gloo ranks and async rounds. The shapes are big enough that torch's
+threaded code paths run (its CPU `index_put_` with accumulate, for one, goes multi-threaded with
+atomics past 32,768 elements): without `trainer.engine.deterministic` and the `index_select` gathers of the
 shared-prompt passes, loaded runs ended with other weights than the quiet ones (docs/reproducibility.md).
 
 The squeeze replaced processes that kept every core busy beside the run (a Python busy loop and a
@@ -102,11 +102,16 @@ def test_a_run_killed_and_resumed_squeezed_ends_with_the_quiet_runs_weights(quie
     assert weights(result) == quiet
 
 
-# (id, overrides, environment): each variant's quiet run against its own squeezed re-run of GRPO
+# (id, overrides, environment): each variant's quiet run against its own squeezed re-run of GRPO.
+# "async": the HF engine's rollout process generates round r + 1 while round r updates, on the same
+# squeezed core, its own 2 threads preempted with the trainer's; which process gets ahead changes
+# from run to run, the batch each round trains on must not (with POSTTRAIN_DETERMINISTIC=0 and the
+# kernels off, its squeezed re-run ended with other weights than the quiet run).
 VARIANTS = [
     ("torch-ops", [], {"POSTTRAIN_KERNELS": "0"}),
     ("zero3", ["grpo.deepspeed.zero_stage=3"], {}),
     ("two-ranks-zero2", ["grpo.deepspeed.ranks_per_node=2", "grpo.deepspeed.zero_stage=2"], {}),
+    ("async", ["rollout.async_steps=1", "rollout.worker_threads=2"], {}),
 ]
 
 
