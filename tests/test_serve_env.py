@@ -1,4 +1,4 @@
-"""`make serve`'s environment and port check, without starting anything."""
+"""`make serve`'s environment, port check and store preparation, without starting its services."""
 
 import fcntl
 import socket
@@ -43,3 +43,36 @@ def test_a_new_sqlite_store_gets_its_tables_under_the_lock_before_the_mlflow_ser
         tables = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
     assert {"experiments", "runs", "registered_models", "alembic_version"} <= tables
     prepare_store("postgresql://db.example/mlflow")  # a server-backed store: its server sets it up
+
+
+def test_start_prepares_a_new_store_before_it_starts_the_mlflow_server(tmp_path, monkeypatch):
+    """The order inside `start`: the store's tables exist when `mlflow server` is spawned. Spawning
+    is replaced here by a recorder (the real stack, processes and all, runs in
+    tests/test_deployments.py); the store's preparation is the real one."""
+    from deployments import serve
+
+    db = tmp_path / "mlflow.db"
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(services, name, cmd):
+        tables = set()
+        if db.exists():
+            with sqlite3.connect(db) as con:
+                tables = {r[0] for r in con.execute("select name from sqlite_master where type='table'")}
+        seen.append((name, "runs" in tables))
+        if name == "mlflow-ui":
+            raise Stop
+
+    monkeypatch.setattr(serve, "_spawn", record)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    with pytest.raises(Stop):
+        serve.start(ports[0], ports[1], env={"HOME": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{db}"},
+                    logs=tmp_path / "logs")
+    assert seen == [("prefect-server", False), ("mlflow-ui", True)]
