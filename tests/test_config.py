@@ -49,8 +49,11 @@ def test_all_errors_listed_at_once():
 def test_cross_field_rule_explains_fix():
     with pytest.raises(ConfigError, match="min_ops <= max_ops"):
         load_config("tiny", ["data.synthetic.min_ops=3", "data.synthetic.max_ops=2"])
-    with pytest.raises(ConfigError, match="tokenizer.train=false"):
+    with pytest.raises(ConfigError, match="tokenizer.train=false") as exc:
         load_config("tiny", ["model.pretrained=/some/model"])
+    # the whole config's own check: its message, not every value of the config before it
+    assert str(exc.value).splitlines()[1] == ("  - (top level): tokenizer.train=true with model.pretrained set: a "
+                                              "pretrained model uses its own tokenizer; set tokenizer.train=false")
 
 
 def test_unknown_preset_and_missing_file():

@@ -191,6 +191,42 @@ def test_not_json(tmp_path):
         prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
 
 
+def test_a_line_that_is_not_json_is_named_by_its_number_in_the_whole_file(tmp_path):
+    """pyarrow's own message counts rows within a block of the file ("in row 1"); the error names the
+    line in the whole file, and what is wrong with it."""
+    good = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20_000)]
+    path = _write(tmp_path / "big.jsonl", good + ['{"question": "q", "answer": "#### 1"'] + good[:5])
+    with pytest.raises(DataError, match=r"data.train: .*big.jsonl line 20001: Expecting ',' delimiter \(column 37\); fix it"):
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+    path = _write(tmp_path / "list.jsonl", good[:3] + ["[1, 2]"])
+    with pytest.raises(DataError, match=r"list.jsonl line 4: a JSON list, not an object"):
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+
+
+def test_a_json_array_file_names_its_bad_line_or_element(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('[{"question": "q", "answer": "#### 1"},\n {"question": "q" "answer": "#### 2"}]\n')
+    with pytest.raises(DataError, match=r"rows.json line 2: Expecting ',' delimiter \(column 19\)"):
+        prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
+    path.write_text('[{"question": "q", "answer": "#### 1"},\n 3]\n')
+    with pytest.raises(DataError, match=r"rows.json element 2 of its array is a JSON int, not an object"):
+        prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
+
+
+def test_bytes_that_are_not_utf8_name_the_row(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9?", "answer": "#### 2"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl row 2: not UTF-8 text .*save the file as UTF-8"):
+        prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
+
+
+def test_a_field_that_is_not_text_says_so(tmp_path):
+    path = _write(tmp_path / "typed.jsonl", [{"question": "q", "answer": "#### 1"},
+                                             {"question": "q", "answer": {"value": 2}}])
+    with pytest.raises(DataError, match=r"typed.jsonl row 2: field 'answer' is a dict, not text"):
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+
+
 GSM8K = Path(__file__).parent / "data" / "gsm8k"
 
 

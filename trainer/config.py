@@ -603,7 +603,10 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             lines.append(f"  - {field}: unknown key; remove it or check its spelling")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  - {field} = {value!r}: {msg}")
+            # a section's (or the whole config's) own check: its message names the fields, and the
+            # section's every value would bury it
+            shown = "" if isinstance(value, dict) else f" = {value!r}"
+            lines.append(f"  - {field}{shown}: {msg}")
     return "\n".join(lines)
 
 

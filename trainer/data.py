@@ -176,9 +176,63 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
         ds = datasets.load_dataset(fmt, data_files={which: path}, split=which,
                                    storage_options=_storage_options(path))
     except Exception as exc:
-        raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {exc}; "
+        where = _json_problem(path) if fmt == "json" else None
+        if where is not None:
+            raise DataError(f"data.{which}: {path} {where}; fix it (each line of a .jsonl file is "
+                            "one JSON object; a .json file may instead hold one array of objects)") from None
+        raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {_root_cause(exc)}; "
                         "use jsonl (one JSON object per line), json or parquet") from None
     return path, ds
+
+
+def _root_cause(exc: BaseException) -> str:
+    """`exc` and what caused it, innermost last (datasets wraps pyarrow's reason in a generic error)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return ": ".join(parts)
+
+
+def _json_problem(path: str) -> str | None:
+    """Where a JSON Lines file (or a .json file holding one array) stops being rows: 'line N: why'
+    (N counted from 1 over the whole file), or None when every row is a JSON object. One pass over
+    the file, a line at a time."""
+    import json
+
+    from trainer.storage import fs_for
+
+    fs, p = fs_for(path)
+    with fs.open(p, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"["):  # one JSON document: its parser names the line and column
+        try:
+            with fs.open(p, "rb") as fh:
+                rows = json.load(fh)
+        except UnicodeDecodeError as exc:
+            return f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except json.JSONDecodeError as exc:
+            return f"line {exc.lineno}: {exc.msg} (column {exc.colno})"
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        return None if bad is None else f"element {bad + 1} of its array is a JSON {type(rows[bad]).__name__}, not an object"
+    with fs.open(p, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                return f"line {number}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"line {number}: {exc.msg} (column {exc.colno})"
+            if not isinstance(row, dict):
+                return f"line {number}: a JSON {type(row).__name__}, not an object"
+    return None
 
 
 def _storage_options(path: str) -> dict[str, Any] | None:
@@ -212,7 +266,10 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, whic
         return {"id": ex_id, "messages": msgs, "answer": final}
     for name in (f.question, f.answer):
         value = row.get(name)
-        if not isinstance(value, str) or not value.strip():
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{where}: field {name!r} is a {type(value).__name__}, not text; "
+                            "fix the row, or set data.fields to the column that holds the text")
+        if value is None or not value.strip():
             present = sorted(row)
             raise DataError(f"{where}: field {name!r} is missing or empty (row has {present}); "
                             "set data.fields to the right column names or fix the row")
@@ -284,10 +341,25 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def _decoded(label: str, rows: Iterable[dict]) -> Iterable[dict]:
+    """`rows`, stopping with the row's number when one holds bytes that are not UTF-8 (the loader
+    takes them in and only fails when the row is read)."""
+    it, number = iter(rows), 0
+    while True:
+        number += 1
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{label} row {number}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
+        yield row
+
+
 def _normalise_all(label: str, rows: Iterable[dict], cfg: DataConfig, limit: int | None,
                    skipped: list[str], which: str) -> list[dict[str, Any]]:
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(_decoded(label, rows)):
         if limit is not None and len(out) >= limit:
             break
         try:
