@@ -131,6 +131,8 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
         from mlflow.entities import RunStatus
 
         logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
+        if not storage.is_remote(folder) and not any(work.iterdir()):
+            work.rmdir()  # nothing written, no checkpoint to resume from: no empty key folder left behind
         if fresh:
             log.error("%s: the recompute failed; the earlier result at %s is kept", stage, folder)
         raise

@@ -305,6 +305,7 @@ def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "data.train" in err and "missing.jsonl" in err and "does not exist" in err
     assert not list((tmp_path / "art").rglob("manifest.json"))  # nothing committed
+    assert not list((tmp_path / "art" / "prepare_data").iterdir())  # nor an empty key folder left behind
 
 
 def test_cli_bad_config_value(capsys):
