@@ -83,10 +83,23 @@ if _PREFECT_SERVER is not None:
 import prefect.main  # noqa: E402,F401
 
 
+def _drain_prefect_clients() -> None:
+    """Send this process's last Prefect logs and events while the server still answers. Prefect's
+    own exit handlers do it at interpreter exit, after the server is stopped here: they then retried
+    a dead server for about 80 s before giving up (every pytest process that ran a flow, after its
+    summary: `make test` took that much longer than its pytest)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=30)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_server():
     _PREFECT_SERVER.wait_healthy(120)
     yield _PREFECT_SERVER
+    _drain_prefect_clients()
     _PREFECT_SERVER.stop()
     if not _KEEP_SESSION_DIR:  # also here: an xdist worker can end without running atexit
         shutil.rmtree(_SESSION_DIR, ignore_errors=True)
