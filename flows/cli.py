@@ -123,15 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args)
     try:
         cfg = load_config(args.preset, args.overrides)  # fail fast, before any server starts
-        from trainer.rl.critic import check_critic
-        from trainer.rl.envs import check_environment
+        from trainer import preflight
 
-        check_environment(cfg.rollout.environment)
-        check_critic(cfg.grpo)
-        if cfg.model.lora is not None:
-            from trainer.lora import check_config
-
-            check_config(cfg)
+        preflight.check(cfg)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

@@ -14,10 +14,9 @@ from pydantic import Field
 
 from tasks import report, stages
 from tasks.pipeline import pipeline_run, report_final, run_row
+from trainer import preflight
 from trainer.config import load_config, preset_names
 from trainer.faults import POINTS
-from trainer.rl.critic import check_critic
-from trainer.rl.envs import check_environment
 
 # Typed parameters: the Prefect UI shows them as a form and the server rejects invalid values.
 Preset = Union[Literal[tuple(preset_names())],
@@ -41,12 +40,7 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
     """The rows of tasks/stages.py's table in order, up to the row named `until` (None: all of
     them, then the headline metrics, the registered policy and the report)."""
     cfg = load_config(preset, overrides)
-    check_environment(cfg.rollout.environment)  # a custom class that cannot be used stops the run here
-    check_critic(cfg.grpo)  # likewise a saved critic without a value head
-    if cfg.model.lora is not None:  # and adapters this model cannot take
-        from trainer.lora import check_config
-
-        check_config(cfg)
+    preflight.check(cfg)  # a custom environment or reward that cannot be used stops the run here
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
     with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:

@@ -117,3 +117,24 @@ def test_reward_model_from_path(tmp_path, tiny_tokenizer):
 def test_reward_model_bad_path(tmp_path):
     with pytest.raises(RewardError, match="reward_model path"):
         resolve("reward_model", str(tmp_path / "nothing"))
+
+
+def test_a_reward_that_cannot_be_imported_stops_the_run_before_any_stage(tmp_path, capsys):
+    """The CLI exits 2 naming the reward before a server starts; a run from the Prefect UI (the flow)
+    fails the same way before its first stage. Nothing is written either way. A run without GRPO
+    does not need its rewards."""
+    from flows.cli import main
+    from flows.speedrun import speedrun
+    from trainer.config import ConfigError, load_config
+    from trainer.preflight import check
+
+    root = tmp_path / "art"
+    bad = [f"artifact_root={root}", "grpo.rewards=[{name: 'no_such_package.rewards:score'}]"]
+    assert main(["speedrun", "--preset", "tiny", *[a for o in bad for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.rewards: cannot import module 'no_such_package.rewards' for reward 'no_such_package.rewards:score'" in err
+    assert not root.exists()
+    with pytest.raises(ConfigError, match=r"grpo.rewards: module 'math' has no function 'nope'"):
+        speedrun(preset="tiny", overrides=[f"artifact_root={root}", "grpo.rewards=[{name: 'math:nope'}]"])
+    assert not root.exists()
+    check(load_config("tiny", [*bad, "grpo.enabled=false", "control.enabled=false"]))

@@ -114,6 +114,21 @@ def resolve(name: str, path: str | None = None) -> RewardFn:
     return fn
 
 
+def check_rewards(specs) -> None:
+    """Stop a run before any stage starts when a reward named by dotted path cannot be imported or is
+    not a function (`grpo.rewards`); a `reward_model` needs its `path` (the model loads with the
+    stage). Raises ConfigError naming the reward and the fix."""
+    from trainer.config import ConfigError
+
+    for spec in specs:
+        if spec.name in BUILTIN or (spec.name == "reward_model" and spec.path):
+            continue
+        try:
+            resolve(spec.name, spec.path)
+        except RewardError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 @dataclass
 class RewardMix:
     """Weighted sum of named rewards; also reports each component."""
