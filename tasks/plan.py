@@ -66,6 +66,15 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
         notes.append(f"{field}: {path.resolve()} (found)")
 
 
+def _check_root(root: str, problems: list[str]) -> None:
+    """An s3:// artifact_root: its bucket exists and these credentials may use it (a run would stop
+    at its first write otherwise)."""
+    try:
+        storage.probe(root)
+    except Exception as exc:  # credentials, bucket, endpoint, network: report, do not crash the plan
+        problems.append(f"artifact_root: {exc}")
+
+
 def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
     if ds.precision == "bf16" and ds.zero_stage == 0:
@@ -209,6 +218,7 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
     elif d.source == "hub":
         notes.append(f"data: hub dataset {d.hub_name} (needs hub access, or a local datasets cache)")
     _check_path("model.pretrained", cfg.model.pretrained, problems, notes, model=True)
+    _check_root(cfg.artifact_root, problems)
     for section in ("sft", "grpo"):
         hostfile = getattr(cfg, section).deepspeed.hostfile
         if hostfile and not Path(hostfile).is_file():

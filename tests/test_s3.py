@@ -373,3 +373,35 @@ def test_a_holder_that_lost_its_lease_stops_before_its_next_save(s3, tmp_path, w
     [theirs] = [p.parent for p in mine.parent.glob("*/holder.json") if json.loads(p.read_text())["pid"] == taker.pid]
     assert theirs != mine and (theirs / "checkpoints" / "step00000010" / "COMMITTED").is_file()
     assert result["resumed_from_step"] == 5, result
+
+
+def test_a_missing_bucket_or_missing_credentials_stop_the_run_naming_the_fix(s3, tmp_path, monkeypatch, capsys):
+    """Not retried, no traceback: the CLI exits 2 at the run's first write naming the URL and the fix,
+    and the dry run lists the same as a problem. Missing credentials are botocore's own finding with
+    every source of them emptied for the test."""
+    import fsspec
+
+    from flows.cli import main
+
+    missing = "s3://no-such-bucket-here/runs"
+    assert main(["prepare-data", "--set", f"artifact_root={missing}"]) == 2
+    assert "its bucket does not exist (NoSuchBucket); create the bucket, or fix the URL" in capsys.readouterr().err
+    assert main(["speedrun", "--dry-run", "--set", f"artifact_root={missing}"]) == 2
+    assert "PROBLEM: artifact_root: s3://no-such-bucket-here/runs: its bucket does not exist" in capsys.readouterr().out
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    fsspec.filesystem("s3").clear_instance_cache()
+    try:
+        assert main(["prepare-data", "--set", f"artifact_root={s3}/no-credentials"]) == 2
+        err = capsys.readouterr().err
+        assert "no usable AWS credentials" in err and "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in err
+        assert "Traceback" not in err
+        assert main(["speedrun", "--dry-run", "--set", f"artifact_root={s3}/no-credentials"]) == 2
+        assert "PROBLEM: artifact_root:" in capsys.readouterr().out
+    finally:
+        monkeypatch.undo()
+        fsspec.filesystem("s3").clear_instance_cache()

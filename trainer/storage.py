@@ -5,7 +5,8 @@ folder without a manifest is not a result. Local writes go through a temporary n
 atomic rename; S3 puts are atomic per object. S3 endpoint and credentials come from the usual
 AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from the config.
 A transient S3 error (connection refused or reset, time-out, throttling, 5xx) is retried with
-backoff on top of s3fs's own retries; a missing object or a denied request fails at once.
+backoff on top of s3fs's own retries; a missing object or a denied request fails at once, and
+missing or refused credentials and a missing bucket as a StorageError naming the URL and the fix.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+
+from trainer.errors import InputError
 
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
@@ -59,8 +62,46 @@ def _transient(exc: BaseException) -> bool:
     return False
 
 
+class StorageError(InputError):
+    """An S3 URL this process cannot use as configured: no credentials, refused ones, a missing bucket."""
+
+
+# S3's error codes that say the setup is wrong, not the moment: (what it means, the fix)
+_SETUP_CODES = {
+    "NoSuchBucket": ("its bucket does not exist", "create the bucket, or fix the URL"),
+    "InvalidAccessKeyId": ("the store does not know the access key", "check AWS_ACCESS_KEY_ID (and AWS_ENDPOINT_URL)"),
+    "SignatureDoesNotMatch": ("the store refused the secret key", "check AWS_SECRET_ACCESS_KEY"),
+    "AccessDenied": ("access was denied", "give the credentials read, write and list rights on the bucket"),
+    "AllAccessDisabled": ("access to the bucket is disabled", "use another bucket"),
+}
+
+
+def _setup_problem(url: str, exc: BaseException) -> StorageError | None:
+    """A clear error for an S3 failure that no retry can mend (missing or refused credentials, a
+    missing bucket), naming the URL and the fix; None for any other failure."""
+    try:
+        from botocore import exceptions as be
+    except ImportError:
+        return None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
+            return StorageError(f"{url}: no usable AWS credentials ({exc}); export AWS_ACCESS_KEY_ID and "
+                                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment that starts the run "
+                                "(your shell, or the Prefect worker's), and AWS_ENDPOINT_URL for a non-AWS store")
+        if isinstance(exc, be.ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in _SETUP_CODES:
+                meaning, fix = _SETUP_CODES[code]
+                return StorageError(f"{url}: {meaning} ({code}); {fix}")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _retrying(what: str, url: str, fn):
-    """fn() for a remote URL, retried with backoff while its error is transient."""
+    """fn() for a remote URL, retried with backoff while its error is transient; a setup error
+    (credentials, bucket) raises StorageError at once."""
     if not is_remote(url):
         return fn()
     for attempt in range(1, RETRY_ATTEMPTS + 1):
@@ -68,6 +109,9 @@ def _retrying(what: str, url: str, fn):
             return fn()
         except Exception as exc:
             if not _transient(exc):
+                problem = _setup_problem(url, exc)
+                if problem is not None:
+                    raise problem from None
                 raise
             if attempt == RETRY_ATTEMPTS:
                 raise OSError(f"{what} {url}: still failing after {RETRY_ATTEMPTS} attempts ({type(exc).__name__}: "
@@ -76,6 +120,18 @@ def _retrying(what: str, url: str, fn):
             log.warning("%s %s: transient error (%s: %s); retrying in %.0fs (attempt %d of %d)", what, url,
                         type(exc).__name__, exc, wait, attempt + 1, RETRY_ATTEMPTS)
             time.sleep(wait)
+
+
+def probe(url: str) -> None:
+    """Raise StorageError when a remote URL cannot be used as configured (no or refused credentials,
+    a missing bucket); an empty prefix, written on first use, is fine."""
+    if not is_remote(url):
+        return
+    fs, path = fs_for(url)
+    try:
+        _retrying("list", url, lambda: fs.ls(path, refresh=True))
+    except FileNotFoundError:
+        pass
 
 
 def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
