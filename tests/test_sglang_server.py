@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -105,9 +106,12 @@ def servers(base_model, tiny_tokenizer):
     engine.taken_port = taken
     print(f"\n2 SGLang CPU servers healthy in {time.perf_counter() - t0:.1f}s (one launched twice)")
     yield engine
+    shm = {s.url: sglang._group_shm(s.proc.pid) for s in engine.servers}
     engine.close()
-    for s in engine.servers:
+    for s in engine.servers:  # stopped, and what SGLang leaves behind removed (test below)
         assert s.proc.poll() is not None
+        assert not s.scratch.exists(), s.scratch
+        assert shm[s.url] and not any(Path(f).exists() for f in shm[s.url]), shm[s.url]
 
 
 def prompts_for(tok, n: int = 12) -> list[list[int]]:
@@ -177,6 +181,37 @@ def _process_tree(pgid: int) -> dict[int, tuple[int, str]]:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def test_each_server_keeps_its_sockets_in_a_temp_folder_of_its_own(servers):
+    """SGLang names its ZMQ sockets with temp files and never removes them (nor its shared memory in
+    /dev/shm): each launched server gets a TMPDIR of its own, which `stop` removes with the shared
+    memory its processes held (checked when the module's servers stop, in the fixture)."""
+    import stat
+
+    folders = [s.scratch for s in servers.servers]
+    assert len(set(folders)) == 2
+    for folder in folders:
+        assert folder.name.startswith(sglang._SCRATCH_PREFIX)
+        assert any(stat.S_ISSOCK(f.stat().st_mode) for f in folder.iterdir()), sorted(folder.iterdir())
+        assert len(str(folder / "tmpxxxxxxxx")) < 107  # a unix socket's path limit
+
+
+def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(tmp_path, monkeypatch):
+    """A run killed before it could stop its servers leaves their folders (the servers themselves
+    stop: they watch the process that started them); the next launch on the machine removes those
+    whose process is gone, never a live one's."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine = sglang.server_scratch()
+    other = Path(str(mine).replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+    other.mkdir()
+    (other / "tmpsocket").write_text("")
+    fresh = sglang.server_scratch()
+    assert mine.is_dir() and fresh.is_dir() and not other.exists()
 
 
 def test_a_cpu_servers_scheduler_and_detokenizer_are_forked_from_its_main_process(servers):

@@ -207,10 +207,52 @@ def port_taken(host: str, port: int) -> bool:
 BIND_FAILED = ("address already in use", "[Errno 98]")  # uvicorn's error when its port is taken
 
 
+_SCRATCH_PREFIX = "posttrain-sglang-"
+
+
+def server_scratch() -> Path:
+    """A new temp folder for one launched server (its TMPDIR): SGLang names its ZMQ sockets with
+    temp files and never removes them, so `_Server.stop` removes the folder. Named after this machine
+    and process; each call first removes this machine's folders whose process is gone (a run killed
+    before it could stop its servers)."""
+    import shutil
+    import tempfile
+    from glob import escape
+
+    from trainer.procwatch import process_gone
+
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # short, whatever the name's length
+    temp, mine = Path(tempfile.gettempdir()), f"{_SCRATCH_PREFIX}{host}-"
+    for stale in temp.glob(escape(mine) + "*"):
+        pid = stale.name[len(mine):].partition("-")[0]
+        if pid.isdigit() and process_gone(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    # short: a unix socket's path has at most 107 characters
+    return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=temp))
+
+
+def _group_shm(pgid: int) -> set[str]:
+    """The shared-memory files SGLang's processes in group `pgid` hold (its load reports: SGLang
+    leaves them behind in /dev/shm when it stops)."""
+    found: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/sglang_" in line)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return {p for p in found if p.startswith("/dev/shm/sglang_") and not p.endswith("(deleted)")}
+
+
 class _Server:
     def __init__(self, url: str, proc: subprocess.Popen | None = None,
-                 relaunch: Callable[[], _Server] | None = None) -> None:
-        self.url, self.proc, self.relaunch = url.rstrip("/"), proc, relaunch
+                 relaunch: Callable[[], _Server] | None = None, scratch: Path | None = None) -> None:
+        self.url, self.proc, self.relaunch, self.scratch = url.rstrip("/"), proc, relaunch, scratch
         self.log_tail: deque[str] = deque(maxlen=60)
         self.bind_failed = False  # its HTTP server found the port taken (and exited, uvicorn's code 3)
         self._drainer: Thread | None = None
@@ -240,23 +282,28 @@ class _Server:
             raise SGLangError(f"SGLang server {self.url} exited with code {self.proc.returncode}; its last "
                               f"output:\n{tail}")
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+    def stop(self, wait_s: float = 20.0) -> None:
+        """SIGKILL the server's process group, then remove the files SGLang leaves: its temp folder
+        (ZMQ sockets) and its shared memory. Nothing is in flight when posttrain stops a server, and
+        SIGTERM bought no cleanup: SGLang answered it by draining, or (a child terminated first) by
+        a 5 s pause for crash diagnostics, 5 to 8 s a stop on 2 cores, and left the same files."""
+        import shutil
+
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
-            self.proc.poll()
-            time.sleep(0.2)
+        shm = _group_shm(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
+        deadline = time.monotonic() + wait_s  # the children, until the kernel has reaped them
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for path in shm:
+            Path(path).unlink(missing_ok=True)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -305,13 +352,15 @@ class SGLangEngine:
             def launch(i: int, port: int) -> _Server:
                 cmd = launch_command(cfg, model_path, port, dtype)
                 log.info("launching SGLang: %s", " ".join(cmd))
-                proc = subprocess.Popen(cmd, env={**os.environ, **server_env(cfg, i)}, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                scratch = server_scratch()
+                env = {**os.environ, "TMPDIR": str(scratch), **server_env(cfg, i)}
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
                 used.add(port)
                 # on the next free port above every one this engine has used (one of them may be
                 # loading its model, not yet listening)
                 return _Server(f"http://{cfg.host}:{port}", proc,
-                               relaunch=lambda: launch(i, free_ports(cfg.host, max(used) + 1, 1)[0]))
+                               relaunch=lambda: launch(i, free_ports(cfg.host, max(used) + 1, 1)[0]), scratch=scratch)
 
             try:
                 ports = free_ports(cfg.host, cfg.base_port, cfg.num_servers)
