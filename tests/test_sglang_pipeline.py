@@ -6,6 +6,7 @@ free; after the SIGKILL a re-run resumes from the last checkpoint."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -102,11 +103,19 @@ def test_exception_mid_round_stops_the_servers(tmp_path, small_sft):
 
 
 def test_sigkill_mid_grpo_leaves_no_server_and_rerun_resumes(tmp_path, small_sft):
+    """The killed CLI's server stops itself and removes its temp folder (its ZMQ sockets); the
+    re-run resumes from the last committed round."""
+    import tempfile
+
     seed(small_sft, tmp_path)
-    code = run_cli(tmp_path, tmp_path / "killed.json", fault="grpo_after_update@2:kill")
+    temp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # the CLI's TMPDIR (short: socket paths)
+    code = _run_cli(tmp_path, tmp_path / "killed.json", "grpo_after_update@2:kill", overrides=OVERRIDES,
+                    env={"TMPDIR": str(temp)})[0]
     assert code == -signal.SIGKILL
     seconds = assert_no_server_left(within_s=15)
     print(f"\nservers gone {seconds:.1f}s after the CLI's SIGKILL")
+    assert not list(temp.glob("posttrain-sglang-*")), sorted(temp.iterdir())
+    shutil.rmtree(temp, ignore_errors=True)
     work = next((tmp_path / "grpo").iterdir())
     assert not (work / "manifest.json").exists()
     from trainer import checkpoint

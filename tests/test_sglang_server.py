@@ -106,12 +106,15 @@ def servers(base_model, tiny_tokenizer):
     engine.taken_port = taken
     print(f"\n2 SGLang CPU servers healthy in {time.perf_counter() - t0:.1f}s (one launched twice)")
     yield engine
-    shm = {s.url: sglang._group_shm(s.proc.pid) for s in engine.servers}
+    from trainer.procwatch import group_shared_memory
+
+    shm = {s.url: group_shared_memory(s.proc.pid, sglang.SHM_PREFIX) for s in engine.servers}
     engine.close()
+    assert any(shm.values())  # the server the last test killed holds none any more; the other does
     for s in engine.servers:  # stopped, and what SGLang leaves behind removed (test below)
         assert s.proc.poll() is not None
         assert not s.scratch.exists(), s.scratch
-        assert shm[s.url] and not any(Path(f).exists() for f in shm[s.url]), shm[s.url]
+        assert not any(Path(f).exists() for f in shm[s.url]), shm[s.url]
 
 
 def prompts_for(tok, n: int = 12) -> list[list[int]]:
@@ -192,9 +195,20 @@ def test_each_server_keeps_its_sockets_in_a_temp_folder_of_its_own(servers):
     folders = [s.scratch for s in servers.servers]
     assert len(set(folders)) == 2
     for folder in folders:
-        assert folder.name.startswith(sglang._SCRATCH_PREFIX)
+        assert folder.name.startswith(sglang.SCRATCH_PREFIX)
         assert any(stat.S_ISSOCK(f.stat().st_mode) for f in folder.iterdir()), sorted(folder.iterdir())
         assert len(str(folder / "tmpxxxxxxxx")) < 107  # a unix socket's path limit
+
+
+def test_the_server_wrapper_removes_the_same_files_the_engine_does():
+    """The wrapper (run by SGLang's interpreter, importing nothing of posttrain) cleans up when the
+    process that started its server dies: the same folder prefix and shared memory as `stop`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wrapper", Path(sglang.__file__).with_name("sglang_server.py"))
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    assert (wrapper.SCRATCH_PREFIX, wrapper.SHM_PREFIX) == (sglang.SCRATCH_PREFIX, sglang.SHM_PREFIX)
 
 
 def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(tmp_path, monkeypatch):

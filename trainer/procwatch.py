@@ -49,3 +49,20 @@ def group_gone(pgid: int) -> bool:
     except PermissionError:
         return False
     return all(process_gone(pid) for pid in group_members(pgid))
+
+
+def group_shared_memory(pgid: int, prefix: str) -> set[str]:
+    """The files under /dev/shm whose names start with `prefix` that the processes of group `pgid`
+    have mapped (read from /proc: none where there is none)."""
+    found: set[str] = set()
+    start = f"/dev/shm/{prefix}"
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.split(None, 5)[-1].strip()
+                    if path.startswith(start) and not path.endswith("(deleted)"):
+                        found.add(path)
+        except OSError:  # gone meanwhile
+            continue
+    return found

@@ -207,7 +207,7 @@ def port_taken(host: str, port: int) -> bool:
 BIND_FAILED = ("address already in use", "[Errno 98]")  # uvicorn's error when its port is taken
 
 
-_SCRATCH_PREFIX = "posttrain-sglang-"
+SCRATCH_PREFIX = "posttrain-sglang-"
 
 
 def server_scratch() -> Path:
@@ -222,31 +222,17 @@ def server_scratch() -> Path:
     from trainer.procwatch import process_gone
 
     host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # short, whatever the name's length
-    temp, mine = Path(tempfile.gettempdir()), f"{_SCRATCH_PREFIX}{host}-"
+    temp, mine = Path(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{host}-"
+    if len(str(temp)) > 40 and Path("/tmp").is_dir():  # a unix socket's path has at most 107 characters
+        temp = Path("/tmp")
     for stale in temp.glob(escape(mine) + "*"):
         pid = stale.name[len(mine):].partition("-")[0]
         if pid.isdigit() and process_gone(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    # short: a unix socket's path has at most 107 characters
     return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=temp))
 
 
-def _group_shm(pgid: int) -> set[str]:
-    """The shared-memory files SGLang's processes in group `pgid` hold (its load reports: SGLang
-    leaves them behind in /dev/shm when it stops)."""
-    found: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-            with open(f"/proc/{pid}/maps") as f:
-                found.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/sglang_" in line)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
-            continue
-    return {p for p in found if p.startswith("/dev/shm/sglang_") and not p.endswith("(deleted)")}
+SHM_PREFIX = "sglang_"  # SGLang's shared memory in /dev/shm (its load reports), left behind when it stops
 
 
 class _Server:
@@ -291,7 +277,9 @@ class _Server:
 
         if self.proc is None:
             return
-        shm = _group_shm(self.proc.pid)
+        from trainer.procwatch import group_shared_memory
+
+        shm = group_shared_memory(self.proc.pid, SHM_PREFIX)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

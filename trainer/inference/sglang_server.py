@@ -23,13 +23,32 @@ _spec = importlib.util.spec_from_file_location(
 _procwatch = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_procwatch)
 process_gone = _procwatch.process_gone
+SCRATCH_PREFIX = "posttrain-sglang-"  # trainer.inference.sglang's temp folder of one server (its TMPDIR)
+SHM_PREFIX = "sglang_"  # SGLang's shared memory in /dev/shm
+
+
+def _leave_nothing() -> None:
+    """Remove what SGLang leaves behind when it is killed: its shared memory in /dev/shm, and its
+    ZMQ socket files, in the temp folder posttrain made for this server."""
+    import shutil
+
+    for path in _procwatch.group_shared_memory(os.getpgrp(), SHM_PREFIX):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    tmp = os.environ.get("TMPDIR", "")
+    if os.path.basename(tmp.rstrip("/")).startswith(SCRATCH_PREFIX):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _watch(parent_pid: int, every_s: float = 1.0) -> None:
     while True:
         time.sleep(every_s)
         if process_gone(parent_pid):
-            try:  # stderr may be a pipe that died with the parent: stop however the write goes
+            try:
+                _leave_nothing()
+                # stderr may be a pipe that died with the parent: stop however the write goes
                 print(f"posttrain: the process that started this server ({parent_pid}) is gone; stopping",
                       file=sys.stderr, flush=True)
             finally:
