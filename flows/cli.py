@@ -147,13 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     from flows.speedrun import flow_for
 
     prefect_server.confirm(server)
-    if server is not None:
-        from tasks.pipeline import warm_up
-
-        warm_up()  # meanwhile the server starts
-    prefect_server.wait(server)
     kwargs = {"nightly": True} if getattr(args, "nightly", False) else {}
     try:
+        if server is not None:
+            from tasks.pipeline import warm_up
+
+            warm_up()  # meanwhile the server starts
+        prefect_server.wait(server)
         result = flow_for(args.command)(preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import InputError
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
@@ -84,14 +86,46 @@ class MlflowLogger:
 _ready: set[str] = set()
 
 
+class TrackingError(InputError):
+    pass
+
+
+def check_server(uri: str, attempts: int = 3, timeout_s: float = 3.0) -> None:
+    """An http(s) tracking URI must answer before a run starts: MLflow's client retries a server that
+    is down for about 4 minutes, then fails with a traceback. Any HTTP answer will do (a proxy may
+    ask for credentials at /health); no connection after `attempts` tries a second apart raises
+    TrackingError naming the URI and the fix."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{uri.rstrip('/')}/health"
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s):
+                return
+        except urllib.error.HTTPError:
+            return  # it answered
+        except (OSError, ValueError) as exc:
+            problem = exc
+        if attempt + 1 < attempts:
+            time.sleep(1.0)
+    raise TrackingError(f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({problem}); start it "
+                        f"(`make serve` starts one on http://127.0.0.1:5000), or unset MLFLOW_TRACKING_URI to track "
+                        f"in {DEFAULT_TRACKING_URI}")
+
+
 def mlflow_client(uri: str):
     """An MlflowClient on `uri`. A process's first use of a SQLite store runs under a file lock beside
     the database: MLflow creates a fresh store's tables on first use, and two processes doing that at
-    once fail ("No such index ..."). A server-backed store is set up by its server."""
+    once fail ("No such index ..."). A server-backed store is set up by its server, which must answer
+    (`check_server`) the first time a process uses it."""
     import fcntl
 
     from mlflow import MlflowClient
 
+    if uri.startswith(("http://", "https://")) and uri not in _ready:
+        check_server(uri)
+        _ready.add(uri)
     if not uri.startswith("sqlite:///") or uri in _ready:
         return MlflowClient(tracking_uri=uri)
     db = Path(uri[len("sqlite:///"):]).expanduser()

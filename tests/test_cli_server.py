@@ -66,6 +66,32 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path, 
     assert not list(Path(tempfile.gettempdir()).glob(f"posttrain-prefect-server-{m.group(1)}-*.log"))
 
 
+def test_an_mlflow_server_that_does_not_answer_stops_the_command_naming_it(tmp_path, migrated_stores):
+    """MLFLOW_TRACKING_URI names a server that is down: exit 2 with the URI and the fix, before any
+    stage (MLflow's own client retried it for about 4 minutes, then failed with a traceback). The
+    command checks it while its temporary Prefect server starts; a run on a configured Prefect
+    server, as from the Prefect UI, checks it when the flow starts (the in-process run below)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens on it once closed
+    down = f"http://127.0.0.1:{port}"
+    cmd, env, out = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")}, migrated_stores)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "MLFLOW_TRACKING_URI": down}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert f"posttrain: MLflow tracking server {down} (MLFLOW_TRACKING_URI) does not answer" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "artifacts").exists()
+
+    from flows.cli import main
+
+    os.environ["MLFLOW_TRACKING_URI"], saved = down, os.environ["MLFLOW_TRACKING_URI"]
+    try:
+        assert main(["prepare-data", "--set", f"artifact_root={tmp_path / 'in-process'}"]) == 2
+    finally:
+        os.environ["MLFLOW_TRACKING_URI"] = saved
+    assert not (tmp_path / "in-process").exists()
+
+
 def test_the_server_of_a_sigkilled_command_stops_too(tmp_path, migrated_stores):
     """SIGKILL runs no exit handler: the server notices that its command is gone and shuts down."""
     import signal
