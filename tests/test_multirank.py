@@ -332,6 +332,27 @@ def test_a_launch_takes_its_rendezvous_file_with_it(tmp_path):
     assert seen.read_text() == "store" and not store.exists()
 
 
+def test_a_killed_launchs_rendezvous_file_goes_at_the_next_one(tmp_path, monkeypatch):
+    """A launcher killed outright leaves its file; the next rendezvous on the machine removes the
+    files whose process is gone, never a live one's nor another machine's."""
+    import tempfile
+
+    from trainer.engine import rendezvous_file
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f"posttrain-rendezvous-{host}-{dead.pid}-0123"
+    live = tmp_path / f"posttrain-rendezvous-{host}-{os.getpid()}-4567"
+    elsewhere = tmp_path / f"posttrain-rendezvous-{host}x-{dead.pid}-89ab"  # another machine's name
+    for f in (stale, live, elsewhere):
+        f.write_text("store")
+    fresh = Path(rendezvous_file())
+    assert fresh.parent == tmp_path and not fresh.exists()
+    assert not stale.exists() and live.exists() and elsewhere.exists()
+
+
 def test_ranks_exit_when_the_supervising_process_is_killed(tmp_path):
     """The task's process killed outright (SIGKILL: no chance to clean up): the ranks notice their
     supervisor is gone and exit, and the launcher takes the rest down. Nothing is left running."""

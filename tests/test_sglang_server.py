@@ -211,21 +211,27 @@ def test_the_server_wrapper_removes_the_same_files_the_engine_does():
     assert (wrapper.SCRATCH_PREFIX, wrapper.SHM_PREFIX) == (sglang.SCRATCH_PREFIX, sglang.SHM_PREFIX)
 
 
-def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(tmp_path, monkeypatch):
+def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(monkeypatch):
     """A run killed before it could stop its servers leaves their folders (the servers themselves
     stop: they watch the process that started them); the next launch on the machine removes those
     whose process is gone, never a live one's."""
+    import shutil
     import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    mine = sglang.server_scratch()
-    other = Path(str(mine).replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
-    other.mkdir()
-    (other / "tmpsocket").write_text("")
-    fresh = sglang.server_scratch()
-    assert mine.is_dir() and fresh.is_dir() and not other.exists()
+    temp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: the folder must hold socket paths
+    monkeypatch.setattr(tempfile, "tempdir", temp)
+    try:
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        mine = sglang.server_scratch()
+        assert mine.parent == Path(temp)
+        other = Path(str(mine).replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+        other.mkdir()
+        (other / "tmpsocket").write_text("")
+        fresh = sglang.server_scratch()
+        assert mine.is_dir() and fresh.is_dir() and not other.exists()
+    finally:
+        shutil.rmtree(temp)
 
 
 def test_a_cpu_servers_scheduler_and_detokenizer_are_forked_from_its_main_process(servers):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -134,13 +133,10 @@ def rendezvous_file() -> str:
     import tempfile
     import uuid
 
-    from trainer.procwatch import process_gone
+    from trainer.procwatch import sweep_dead
 
     temp, mine = Path(tempfile.gettempdir()), f"{_RENDEZVOUS_PREFIX}{socket.gethostname()}-"
-    for stale in temp.glob(glob_escape(mine) + "*"):
-        pid = stale.name[len(mine):].partition("-")[0]
-        if pid.isdigit() and process_gone(int(pid)):
-            stale.unlink(missing_ok=True)
+    sweep_dead(temp, mine)
     return str(temp / f"{mine}{os.getpid()}-{uuid.uuid4().hex}")
 
 

@@ -3,6 +3,7 @@
 only: the wrapper imports it from the SGLang environment's interpreter."""
 
 import os
+import shutil
 
 
 def process_gone(pid: int) -> bool:
@@ -66,3 +67,23 @@ def group_shared_memory(pgid: int, prefix: str) -> set[str]:
         except OSError:  # gone meanwhile
             continue
     return found
+
+
+def sweep_dead(folder, prefix: str) -> None:
+    """Remove the files and folders in `folder` named `prefix` + a pid + "-..." whose process is gone:
+    what a process killed before its own clean-up left (a rendezvous file, a server's temp folder).
+    `prefix` names this machine, so a container sharing the folder, with processes this one cannot
+    see, never has its live entries taken for dead ones."""
+    from glob import escape
+    from pathlib import Path
+
+    for stale in Path(folder).glob(escape(prefix) + "*"):
+        pid = stale.name[len(prefix):].partition("-")[0]
+        if pid.isdigit() and process_gone(int(pid)):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                try:
+                    stale.unlink()
+                except OSError:
+                    pass

@@ -211,24 +211,19 @@ SCRATCH_PREFIX = "posttrain-sglang-"
 
 
 def server_scratch() -> Path:
-    """A new temp folder for one launched server (its TMPDIR): SGLang names its ZMQ sockets with
+    """A new temp folder for one launched CPU-mode server (its TMPDIR): SGLang names its ZMQ sockets with
     temp files and never removes them, so `_Server.stop` removes the folder. Named after this machine
     and process; each call first removes this machine's folders whose process is gone (a run killed
     before it could stop its servers)."""
-    import shutil
     import tempfile
-    from glob import escape
 
-    from trainer.procwatch import process_gone
+    from trainer.procwatch import sweep_dead
 
     host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # short, whatever the name's length
     temp, mine = Path(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{host}-"
     if len(str(temp)) > 40 and Path("/tmp").is_dir():  # a unix socket's path has at most 107 characters
         temp = Path("/tmp")
-    for stale in temp.glob(escape(mine) + "*"):
-        pid = stale.name[len(mine):].partition("-")[0]
-        if pid.isdigit() and process_gone(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    sweep_dead(temp, mine)
     return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=temp))
 
 
@@ -340,8 +335,10 @@ class SGLangEngine:
             def launch(i: int, port: int) -> _Server:
                 cmd = launch_command(cfg, model_path, port, dtype)
                 log.info("launching SGLang: %s", " ".join(cmd))
-                scratch = server_scratch()
-                env = {**os.environ, "TMPDIR": str(scratch), **server_env(cfg, i)}
+                # CPU mode: a temp folder of its own (on a GPU, not yet run: caches such as
+                # TorchInductor's default to the temp folder and must outlive the server)
+                scratch = server_scratch() if cfg.device == "cpu" else None
+                env = {**os.environ, **({"TMPDIR": str(scratch)} if scratch else {}), **server_env(cfg, i)}
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
                 used.add(port)
