@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from tasks.tracking import MlflowLogger, TrackingRef, mlflow_client, prefect_logger, tracking_uri
+from tasks.tracking import MlflowLogger, TrackingError, TrackingRef, mlflow_client, prefect_logger, tracking_uri
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -145,12 +145,19 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id, frozenset(recompute))
     logger = MlflowLogger(client, run.info.run_id)
     log.info("MLflow run %s (experiment %r, tracking %s)", run.info.run_id, cfg.tracking.experiment, uri)
-    logger.log_params(cfg.to_dict())
-    resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    logger.log_text(resolved, "config.yaml")
-    storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
-    pipe = PipelineRun(cfg, ref, logger, flow_name)
-    try:
+    try:  # from here on a failure ends the MLflow run as failed, not running for good
+        logger.log_params(cfg.to_dict())
+        resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        try:  # the run's first artifact: where an artifact store this process cannot use shows
+            logger.log_text(resolved, "config.yaml")
+        except Exception as exc:
+            problem = storage.setup_problem(run.info.artifact_uri, exc)
+            if problem is None:
+                raise
+            raise TrackingError(f"tracking.artifact_location (the experiment's artifact store): {problem} (MLflow "
+                                "also reads MLFLOW_S3_ENDPOINT_URL)") from None
+        storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
+        pipe = PipelineRun(cfg, ref, logger, flow_name)
         yield pipe
     except BaseException:
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))

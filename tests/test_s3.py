@@ -405,3 +405,21 @@ def test_a_missing_bucket_or_missing_credentials_stop_the_run_naming_the_fix(s3,
     finally:
         monkeypatch.undo()
         fsspec.filesystem("s3").clear_instance_cache()
+
+
+def test_an_mlflow_artifact_store_that_cannot_be_used_stops_the_run_failed(s3, capsys):
+    """tracking.artifact_location in a bucket that does not exist: exit 2 naming the setting and the
+    fix at the run's first artifact, before any stage, and the MLflow run ends FAILED (not RUNNING)."""
+    from mlflow import MlflowClient
+
+    from flows.cli import main
+
+    name = f"missing-bucket-{uuid.uuid4().hex[:8]}"
+    assert main(["prepare-data", "--set", f"artifact_root={s3}/art-store", "--set", f"tracking.experiment={name}",
+                 "--set", "tracking.artifact_location=s3://no-such-mlflow-bucket/mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "posttrain: tracking.artifact_location (the experiment's artifact store): s3://no-such-mlflow-bucket/mlflow/" in err
+    assert "its bucket does not exist" in err, err[-2000:]
+    client = MlflowClient()
+    [run] = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert run.info.status == "FAILED"

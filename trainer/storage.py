@@ -76,7 +76,7 @@ _SETUP_CODES = {
 }
 
 
-def _setup_problem(url: str, exc: BaseException) -> StorageError | None:
+def setup_problem(url: str, exc: BaseException) -> StorageError | None:
     """A clear error for an S3 failure that no retry can mend (missing or refused credentials, a
     missing bucket), naming the URL and the fix; None for any other failure."""
     try:
@@ -109,7 +109,7 @@ def _retrying(what: str, url: str, fn):
             return fn()
         except Exception as exc:
             if not _transient(exc):
-                problem = _setup_problem(url, exc)
+                problem = setup_problem(url, exc)
                 if problem is not None:
                     raise problem from None
                 raise
