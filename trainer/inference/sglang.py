@@ -234,6 +234,7 @@ class _Server:
     def __init__(self, url: str, proc: subprocess.Popen | None = None,
                  relaunch: Callable[[], _Server] | None = None, scratch: Path | None = None) -> None:
         self.url, self.proc, self.relaunch, self.scratch = url.rstrip("/"), proc, relaunch, scratch
+        self._shm: set[str] = set()  # the shared memory its processes held when it was killed
         self.log_tail: deque[str] = deque(maxlen=60)
         self.bind_failed = False  # its HTTP server found the port taken (and exited, uvicorn's code 3)
         self._drainer: Thread | None = None
@@ -263,6 +264,18 @@ class _Server:
             raise SGLangError(f"SGLang server {self.url} exited with code {self.proc.returncode}; its last "
                               f"output:\n{tail}")
 
+    def kill(self) -> None:
+        """SIGKILL the server's process group, noting first the shared memory its processes hold."""
+        from trainer.procwatch import group_shared_memory
+
+        if self.proc is None:
+            return
+        self._shm |= group_shared_memory(self.proc.pid, SHM_PREFIX)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def stop(self, wait_s: float = 20.0) -> None:
         """SIGKILL the server's process group, then remove the files SGLang leaves: its temp folder
         (ZMQ sockets) and its shared memory. Nothing is in flight when posttrain stops a server, and
@@ -272,18 +285,12 @@ class _Server:
 
         if self.proc is None:
             return
-        from trainer.procwatch import group_shared_memory
-
-        shm = group_shared_memory(self.proc.pid, SHM_PREFIX)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.kill()
         self.proc.wait()
         deadline = time.monotonic() + wait_s  # the children, until the kernel has reaped them
         while _group_alive(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for path in shm:
+        for path in self._shm:
             Path(path).unlink(missing_ok=True)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -524,7 +531,10 @@ class SGLangEngine:
                               "on this machine; rollout.sglang.weight_sync=disk sends a saved folder instead")
 
     def close(self) -> None:
-        """Stop the servers this engine launched (never ones it only connected to)."""
+        """Stop the servers this engine launched (never ones it only connected to): all killed
+        first, then each waited for and cleaned up."""
+        for s in self.servers:
+            s.kill()
         for s in self.servers:
             s.stop()
 
