@@ -93,8 +93,11 @@ class TrackingError(InputError):
 def check_server(uri: str, attempts: int = 3, timeout_s: float = 3.0) -> None:
     """An http(s) tracking URI must answer before a run starts: MLflow's client retries a server that
     is down for about 4 minutes, then fails with a traceback. Any HTTP answer will do (a proxy may
-    ask for credentials at /health); no connection after `attempts` tries a second apart raises
-    TrackingError naming the URI and the fix."""
+    ask for credentials at /health), and so will a TLS handshake whose certificate this check does
+    not trust (MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH are MLflow's to
+    apply); no connection after `attempts` tries a second apart raises TrackingError naming the URI
+    and the fix."""
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -105,6 +108,10 @@ def check_server(uri: str, attempts: int = 3, timeout_s: float = 3.0) -> None:
                 return
         except urllib.error.HTTPError:
             return  # it answered
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ssl.SSLError):
+                return  # it answered TLS: whether to trust its certificate is MLflow's setting to apply
+            problem = exc
         except (OSError, ValueError) as exc:
             problem = exc
         if attempt + 1 < attempts:
