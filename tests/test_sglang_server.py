@@ -95,26 +95,47 @@ def servers(base_model, tiny_tokenizer):
             held.append(sock)
         return ports
 
+    stop, lost = sglang._Server.stop, []
+
+    def noting_stop(server, *args, **kwargs):  # the server that lost its port, stopped by the engine
+        lost.append((server, noted_shared_memory(server)))
+        stop(server, *args, **kwargs)
+
     t0 = time.perf_counter()
-    sglang.free_ports = taken_after_choice
+    sglang.free_ports, sglang._Server.stop = taken_after_choice, noting_stop
     try:
         engine = SGLangEngine.from_config(cpu_server_config(2), str(path), tiny_tokenizer, dtype="float32")
     finally:
-        sglang.free_ports = chosen
+        sglang.free_ports, sglang._Server.stop = chosen, stop
         taken = held[0].getsockname()[1]
         held[0].close()
     engine.taken_port = taken
     print(f"\n2 SGLang CPU servers healthy in {time.perf_counter() - t0:.1f}s (one launched twice)")
+    # a server that exits on its own (here: its port was taken) leaves its shared memory in /dev/shm;
+    # it noted it in its temp folder, and its stop removed both
+    ((first, first_noted),) = lost
+    assert first.proc.returncode is not None and first_noted, first_noted
+    assert not first.scratch.exists() and not any(Path(f).exists() for f in first_noted), first_noted
     yield engine
     from trainer.procwatch import group_shared_memory
 
     shm = {s.url: group_shared_memory(s.proc.pid, sglang.SHM_PREFIX) for s in engine.servers}
+    noted = {s.url: noted_shared_memory(s) for s in engine.servers}
     engine.close()
     assert any(shm.values())  # the server the last test killed holds none any more; the other does
     for s in engine.servers:  # stopped, and what SGLang leaves behind removed (test below)
         assert s.proc.poll() is not None
         assert not s.scratch.exists(), s.scratch
-        assert not any(Path(f).exists() for f in shm[s.url]), shm[s.url]
+        assert noted[s.url], s.url  # the killed one's too: removed by its note
+        assert not any(Path(f).exists() for f in shm[s.url] | noted[s.url]), (shm[s.url], noted[s.url])
+
+
+def noted_shared_memory(server) -> set[str]:
+    """The /dev/shm files a launched CPU server noted in its temp folder (trainer/procwatch.py)."""
+    from trainer.procwatch import SHARED_MEMORY_NOTE
+
+    note = server.scratch / SHARED_MEMORY_NOTE
+    return set(note.read_text().split()) if note.exists() else set()
 
 
 def prompts_for(tok, n: int = 12) -> list[list[int]]:
@@ -218,8 +239,11 @@ def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(monkeypatch):
     import shutil
     import tempfile
 
+    from trainer.procwatch import SHARED_MEMORY_NOTE
+
     temp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: the folder must hold socket paths
     monkeypatch.setattr(tempfile, "tempdir", temp)
+    shm = Path(f"/dev/shm/{sglang.SHM_PREFIX}posttrain-test-{os.getpid()}")
     try:
         dead = subprocess.Popen(["true"])
         dead.wait()
@@ -228,10 +252,16 @@ def test_a_dead_runs_server_folders_are_swept_at_the_next_launch(monkeypatch):
         other = Path(str(mine).replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
         other.mkdir()
         (other / "tmpsocket").write_text("")
+        # the shared memory its server noted goes with it; a note names nothing outside /dev/shm
+        outside = Path(temp) / "keep"
+        shm.write_bytes(b"x"), outside.write_text("")
+        (other / SHARED_MEMORY_NOTE).write_text(f"{shm}\n{outside}\n/dev/shm/../{Path(temp).name}/keep\n")
         fresh = sglang.server_scratch()
         assert mine.is_dir() and fresh.is_dir() and not other.exists()
+        assert not shm.exists() and outside.exists()
     finally:
         shutil.rmtree(temp)
+        shm.unlink(missing_ok=True)
 
 
 def test_a_cpu_servers_scheduler_and_detokenizer_are_forked_from_its_main_process(servers):

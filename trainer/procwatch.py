@@ -69,6 +69,44 @@ def group_shared_memory(pgid: int, prefix: str) -> set[str]:
     return found
 
 
+SHARED_MEMORY_NOTE = "posttrain-shared-memory"  # in a server's temp folder: its /dev/shm files, one a line
+
+
+def note_shared_memory(folder, prefix: str) -> bool:
+    """Write into `folder` the /dev/shm files named `prefix`... that this process's group has mapped,
+    so that whoever removes the folder (`remove_folder`) removes them too, even once the group is
+    gone: a server that died on its own, or was killed by something else than its starter, leaves
+    its shared memory behind. True once any is noted (the list is written whole, or not at all)."""
+    found = group_shared_memory(os.getpgrp(), prefix)
+    if found:
+        part = os.path.join(folder, f".{SHARED_MEMORY_NOTE}.{os.getpid()}")
+        try:
+            with open(part, "w") as f:
+                f.write("".join(f"{p}\n" for p in sorted(found)))
+            os.replace(part, os.path.join(folder, SHARED_MEMORY_NOTE))
+        except OSError:  # the folder was removed meanwhile (the server is being stopped)
+            return False
+    return bool(found)
+
+
+def remove_folder(folder, shared_memory=()) -> None:
+    """Remove `folder` with the /dev/shm files its note lists and those in `shared_memory`. Only
+    files directly in /dev/shm are removed, whatever the note says."""
+    paths = set(shared_memory)
+    try:
+        with open(os.path.join(folder, SHARED_MEMORY_NOTE)) as f:
+            paths |= {line.strip() for line in f}
+    except OSError:
+        pass
+    for path in paths:
+        if os.path.dirname(path) == "/dev/shm" and os.path.basename(path) not in ("", ".", ".."):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def sweep_dead(folder, prefix: str) -> None:
     """Remove the files and folders in `folder` named `prefix` + a pid + "-..." whose process is gone:
     what a process killed before its own clean-up left (a rendezvous file, a server's temp folder).
@@ -81,7 +119,7 @@ def sweep_dead(folder, prefix: str) -> None:
         pid = stale.name[len(prefix):].partition("-")[0]
         if pid.isdigit() and process_gone(int(pid)):
             if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_folder(stale)  # with the shared memory it notes
             else:
                 try:
                     stale.unlink()

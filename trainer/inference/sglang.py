@@ -281,27 +281,20 @@ class _Server:
         (ZMQ sockets) and its shared memory. Nothing is in flight when posttrain stops a server, and
         SIGTERM bought no cleanup: SGLang answered it by draining, or (a child terminated first) by
         a 5 s pause for crash diagnostics, 5 to 8 s a stop on 2 cores, and left the same files."""
-        import shutil
+        from trainer.procwatch import group_gone, remove_folder
 
         if self.proc is None:
             return
         self.kill()
         self.proc.wait()
-        deadline = time.monotonic() + wait_s  # the children, until the kernel has reaped them
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+        deadline = time.monotonic() + wait_s  # the children
+        while not group_gone(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for path in self._shm:
-            Path(path).unlink(missing_ok=True)
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        if self.scratch is not None:  # with the shared memory the server noted in it (one that died
+            remove_folder(self.scratch, self._shm)  # before this stop held none any more)
+        else:
+            for path in self._shm:
+                Path(path).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the engine

@@ -27,24 +27,33 @@ SCRATCH_PREFIX = "posttrain-sglang-"  # trainer.inference.sglang's temp folder o
 SHM_PREFIX = "sglang_"  # SGLang's shared memory in /dev/shm
 
 
+def _scratch() -> str | None:
+    """The temp folder posttrain made for this server (CPU mode), or None."""
+    tmp = os.environ.get("TMPDIR", "").rstrip("/")
+    return tmp if os.path.basename(tmp).startswith(SCRATCH_PREFIX) else None
+
+
 def _leave_nothing() -> None:
     """Remove what SGLang leaves behind when it is killed: its shared memory in /dev/shm, and its
     ZMQ socket files, in the temp folder posttrain made for this server."""
-    import shutil
-
-    for path in _procwatch.group_shared_memory(os.getpgrp(), SHM_PREFIX):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    tmp = os.environ.get("TMPDIR", "")
-    if os.path.basename(tmp.rstrip("/")).startswith(SCRATCH_PREFIX):
-        shutil.rmtree(tmp, ignore_errors=True)
+    mapped = _procwatch.group_shared_memory(os.getpgrp(), SHM_PREFIX)
+    scratch = _scratch()
+    if scratch is None:
+        for path in mapped:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    else:
+        _procwatch.remove_folder(scratch, mapped)
 
 
 def _watch(parent_pid: int, every_s: float = 1.0) -> None:
+    noted = _scratch() is None  # CPU mode: note this server's shared memory in its folder, once it has some
     while True:
         time.sleep(every_s)
+        if not noted:
+            noted = _procwatch.note_shared_memory(_scratch(), SHM_PREFIX)
         if process_gone(parent_pid):
             try:
                 _leave_nothing()
@@ -99,7 +108,11 @@ def main() -> None:
     sys.argv = ["sglang.launch_server", *args[3:]]
     if _cpu_mode(args[3:]):
         _fork_children_from_this_process()
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    finally:  # exiting on its own (its port taken, an error): noted now, whenever the watch last looked
+        if _scratch() is not None:
+            _procwatch.note_shared_memory(_scratch(), SHM_PREFIX)
 
 
 if __name__ == "__main__":
