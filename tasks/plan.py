@@ -75,6 +75,22 @@ def _check_root(root: str, problems: list[str]) -> None:
         problems.append(f"artifact_root: {exc}")
 
 
+def _check_artifact_location(location: str | None, problems: list[str]) -> None:
+    """An s3:// tracking.artifact_location: MLflow's own S3 client (its endpoint setting,
+    MLFLOW_S3_ENDPOINT_URL, and these credentials) can list it (a run would stop at its first
+    artifact otherwise)."""
+    if not location or not location.startswith("s3://"):
+        return
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    try:
+        get_artifact_repository(location).list_artifacts()
+    except Exception as exc:  # credentials, bucket, endpoint, network: report, do not crash the plan
+        problem = storage.setup_problem(location, exc) or f"{location}: {type(exc).__name__}: {exc}"
+        problems.append(f"tracking.artifact_location (the experiment's artifact store): {problem} (MLflow's S3 "
+                        "endpoint: MLFLOW_S3_ENDPOINT_URL, else AWS_ENDPOINT_URL)")
+
+
 def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
     if ds.precision == "bf16" and ds.zero_stage == 0:
@@ -219,6 +235,7 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
         notes.append(f"data: hub dataset {d.hub_name} (needs hub access, or a local datasets cache)")
     _check_path("model.pretrained", cfg.model.pretrained, problems, notes, model=True)
     _check_root(cfg.artifact_root, problems)
+    _check_artifact_location(cfg.tracking.artifact_location, problems)
     for section in ("sft", "grpo"):
         hostfile = getattr(cfg, section).deepspeed.hostfile
         if hostfile and not Path(hostfile).is_file():

@@ -409,11 +409,20 @@ def test_a_missing_bucket_or_missing_credentials_stop_the_run_naming_the_fix(s3,
 
 def test_an_mlflow_artifact_store_that_cannot_be_used_stops_the_run_failed(s3, capsys):
     """tracking.artifact_location in a bucket that does not exist: exit 2 naming the setting and the
-    fix at the run's first artifact, before any stage, and the MLflow run ends FAILED (not RUNNING)."""
+    fix at the run's first artifact, before any stage, and the MLflow run ends FAILED (not RUNNING).
+    The dry run lists it as a problem, and passes a location in a bucket that exists."""
     from mlflow import MlflowClient
 
     from flows.cli import main
 
+    missing = ["--set", "tracking.artifact_location=s3://no-such-mlflow-bucket/mlflow"]
+    assert main(["speedrun", "--dry-run", "--set", f"artifact_root={s3}/art-store", *missing]) == 2
+    out = capsys.readouterr().out
+    assert ("PROBLEM: tracking.artifact_location (the experiment's artifact store): "
+            "s3://no-such-mlflow-bucket/mlflow: its bucket does not exist (NoSuchBucket)") in out, out[-2000:]
+    assert main(["speedrun", "--dry-run", "--set", f"artifact_root={s3}/art-store",
+                 "--set", f"tracking.artifact_location={s3}/mlflow-not-yet-written"]) == 0
+    assert "PROBLEM" not in capsys.readouterr().out
     name = f"missing-bucket-{uuid.uuid4().hex[:8]}"
     assert main(["prepare-data", "--set", f"artifact_root={s3}/art-store", "--set", f"tracking.experiment={name}",
                  "--set", "tracking.artifact_location=s3://no-such-mlflow-bucket/mlflow"]) == 2
