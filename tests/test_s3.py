@@ -407,6 +407,22 @@ def test_a_missing_bucket_or_missing_credentials_stop_the_run_naming_the_fix(s3,
         fsspec.filesystem("s3").clear_instance_cache()
 
 
+def test_a_stage_that_fails_before_writing_leaves_no_scratch_folder(s3, tmp_path, capsys):
+    """On an s3:// root a stage writes in a scratch folder of this machine, kept for the checkpoints a
+    resume reads; a stage that failed before writing anything leaves none (it held only holder.json)."""
+    from flows.cli import main
+    from trainer import storage
+
+    def holders() -> set[Path]:
+        return set((storage.posttrain_cache() / "work").glob("*/*/holder.json"))
+
+    before = holders()
+    assert main(["prepare-data", "--set", f"artifact_root={s3}/early-failure", "--set", "data.source=files",
+                 "--set", f"data.train={tmp_path}/missing.jsonl"]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert holders() == before
+
+
 def test_an_mlflow_artifact_store_that_cannot_be_used_stops_the_run_failed(s3, capsys):
     """tracking.artifact_location in a bucket that does not exist: exit 2 naming the setting and the
     fix at the run's first artifact, before any stage, and the MLflow run ends FAILED (not RUNNING).
