@@ -132,6 +132,8 @@ def test_every_check_is_bounded_by_the_kill_time_plus_a_restart_whatever_the_ans
     ("an unclosed box", lambda n: "\\boxed{" + "{" * n),
     ("boxes in boxes", lambda n: "\\boxed{" * n + "}" * n),
     ("numbers", lambda n: "1,2.3 -4 " * n),
+    ("a long final non-number", lambda n: "#### " + "1" * n + "x"),  # the format check's regex: was quadratic
+    ("a long final decimal", lambda n: "#### -" + "1," * n + "." + "1" * n + "x"),
 ])
 def test_extracting_an_answer_is_linear_in_the_response(name, make):
     """Strict and flexible extraction, and the format check, on what a policy could write."""

@@ -164,10 +164,26 @@ def test_malformed_row_names_file_row_and_field(tmp_path):
     assert "bad.jsonl row 3" in msg and "'answer'" in msg and "on_bad_row=skip" in msg
 
 
-def test_row_without_final_answer(tmp_path):
-    path = _write(tmp_path / "x.jsonl", [{"question": "q", "answer": "just prose"}])
+@pytest.mark.parametrize("answer", ["just prose", "the sum is 4 ####", "the sum is 4 #### \n", "#### ,"])
+def test_row_without_final_answer(tmp_path, answer):
+    path = _write(tmp_path / "x.jsonl", [{"question": "q", "answer": answer}])
     with pytest.raises(DataError, match=r"x.jsonl row 1: field 'answer' has no final answer.*####"):
         prepare(DataConfig(source="files", train=path, test=path), seed=0)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("spaces inside the answer", lambda n: "#### 4" + " " * n + "2"),
+    ("hashes", lambda n: "#" * n),
+    ("a final line after prose", lambda n: "1 + 1 = 2. " * n + "\n#### 2,000 \n"),
+])
+def test_reading_a_rows_final_answer_is_linear_in_its_length(name, make):
+    """A dataset's answer field can be as long as a file allows: its final answer is found in linear
+    time (a lazy regex, `####\\s*(.+?)\\s*$`, took 0.22 s on 8,000 spaces, 4x that at twice as many)."""
+    from tests.growth import assert_linear
+    from trainer.data import _final_answer
+
+    assert _final_answer("... #### 2,000 \n", "x.jsonl row 1", "answer") == "2000"
+    assert_linear(lambda text: _final_answer(text, "x.jsonl row 1", "answer"), make, 2000, f"a final answer: {name}")
 
 
 def test_skip_mode_counts_bad_rows(tmp_path):

@@ -34,7 +34,9 @@ from trainer.data import extract_boxed
 FINAL_RE = re.compile(r"####((?:(?!####)[^\n])*)")
 # the last number of a text, as lm-eval's GSM8K "flexible-extract" takes it (signs, thousands commas, decimals)
 LAST_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-NUMBER_RE = re.compile(r"^-?[\d,]*\.?\d+$")
+# a number as a whole (`1,000`, `-3.5`, `.5`); two alternatives, so that a long run of digits that is
+# not one backtracks in linear time (`[\d,]*\.?\d+` retried `\d+` from each digit: quadratic)
+NUMBER_RE = re.compile(r"^-?(?:[\d,]*\.\d+|[\d,]*\d)$")
 INTEGER_RE = re.compile(r"^-?[0-9]+$")
 # Without the signal timeout math-verify warns on every call; our inputs are short and bounded.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
