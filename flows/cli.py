@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         text, problems = dry_run(cfg, stages.until_for(args.command))
         print(text)
         return 2 if problems else 0
+    try:
+        stages.check_cpu_servers(cfg, stages.until_for(args.command))
+    except ConfigError as exc:
+        print(f"posttrain: {exc}", file=sys.stderr)
+        return 2
     from flows import prefect_server
 
     t0 = time.perf_counter()

@@ -170,8 +170,9 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     model_url = storage.join(cfg.artifact_root, "sft", inputs["sft"]["key"], "model")
     model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)
                   else str(storage.local_dir(model_url)))
-    lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, "
-                 f"{r.sglang.gpus_per_server} GPU(s) each:")
+    on_cpu = r.sglang.device == "cpu"
+    lines.append(f"  rollouts: {r.sglang.num_servers} SGLang server(s) started by the grpo task, " +
+                 ("in CPU mode on this machine:" if on_cpu else f"{r.sglang.gpus_per_server} GPU(s) each:"))
     for i in range(r.sglang.num_servers):
         cmd = launch_command(r.sglang, model_path, r.sglang.base_port + i, cfg.model.dtype)
         try:
@@ -181,8 +182,12 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
             env = "CUDA_VISIBLE_DEVICES=?"
         lines.append(f"  $ {env} {shlex.join(cmd)}")
     problem = check_server_python(r.sglang)
-    if problem:
+    if problem and on_cpu:  # CPU servers start where their stage runs: here (the run stops before any stage)
+        problems.append(problem)
+    elif problem:
         notes.append(f"{problem} (on the machine that runs grpo)")
+    if on_cpu:
+        return lines
     train_gpus = set(range(cfg.grpo.deepspeed.ranks_per_node))
     server_set = {p for i in range(r.sglang.num_servers) for p in server_gpu_positions(r.sglang, i)}
     if train_gpus & server_set:

@@ -150,6 +150,24 @@ def until(name: str | None) -> list[Stage]:
     return STAGES[:last + 1]
 
 
+def check_cpu_servers(cfg: RunConfig, until_row: str | None) -> None:
+    """Raises ConfigError when a row up to `until_row` would launch SGLang servers in CPU mode
+    (rollout.sglang.device=cpu) that cannot start from their interpreter: before any stage, not at
+    the first eval after SFT has trained. CPU servers run where their stage runs, on this machine;
+    GPU servers are checked when a stage launches them (a run whose stages are all cached needs none)."""
+    sg = cfg.rollout.sglang
+    if sg.device != "cpu" or not sg.launch or sg.urls:
+        return
+    kinds_run = {r.kind for r in until(until_row) if r.enabled(cfg)}
+    if "grpo" in kinds_run and cfg.rollout.engine == "sglang" or "eval" in kinds_run and cfg.eval_engine() == "sglang":
+        from trainer.config import ConfigError
+        from trainer.inference.sglang import check_server_python
+
+        problem = check_server_python(sg)
+        if problem:
+            raise ConfigError(problem)
+
+
 def downstream(recompute: list[str] | tuple[str, ...] | frozenset[str]) -> frozenset[str]:
     """The rows to recompute, by name: every row of a named kind, and every row that reads (through
     any number of rows) from one of those. Rows, not kinds: `--recompute grpo` recomputes the eval

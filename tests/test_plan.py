@@ -86,3 +86,35 @@ def test_bf16_at_stage_0_is_planned_as_what_it_runs(tmp_path, capsys):
     code, out = dry(tmp_path, capsys, "--set", "grpo.deepspeed.zero_stage=0")
     assert code == 0, out
     assert "zero_stage=0 precision=bf16 (DeepSpeed's bf16 optimizer, which is ZeRO stage 1's" in out
+
+
+def test_sglang_cpu_servers_that_cannot_start_stop_the_run_before_any_stage(tmp_path, capsys):
+    """rollout.sglang.device=cpu with the built SGLang environment as it is (no sgl_kernel CPU build
+    on the registry): the run stops before its first stage, not at the eval after SFT has trained;
+    the dry run lists it as a problem; commands whose stages launch no server run, `config` prints."""
+    from pathlib import Path
+
+    from tasks import stages
+    from trainer.config import ConfigError, load_config
+
+    standin = Path(__file__).parent / "sglang_cpu"  # the tests' plain-torch sgl_kernel (tests/test_sglang_server.py)
+
+    cpu = ["--set", "rollout.engine=sglang", "--set", "rollout.sglang.device=cpu",
+           "--set", f"artifact_root={tmp_path / 'art'}"]
+    assert main(["speedrun", *cpu]) == 2
+    err = capsys.readouterr().err
+    assert "posttrain: rollout.sglang.device=cpu: SGLang's CPU mode imports compiled CPU kernels from sgl_kernel" in err
+    assert not (tmp_path / "art").exists()  # nothing ran
+    assert main(["speedrun", "--dry-run", *cpu]) == 2
+    out = capsys.readouterr().out
+    assert "PROBLEM: rollout.sglang.device=cpu" in out and "in CPU mode on this machine" in out
+    assert "GPUs [0] are shared" not in out  # CPU servers take no GPU
+    assert main(["config", *cpu]) == 0
+    capsys.readouterr()
+    cfg = load_config("tiny", [c for c in cpu if c != "--set"])
+    stages.check_cpu_servers(cfg, "tokenizer")  # no stage up to the tokenizer launches a server
+    with pytest.raises(ConfigError, match="sgl_kernel"):
+        stages.check_cpu_servers(cfg, "eval (sft)")  # the eval of SFT answers through SGLang
+    overrides = [c for c in cpu if c != "--set"]
+    stages.check_cpu_servers(load_config("tiny", overrides + ["eval.engine=hf"]), "eval (sft)")  # HF answers it
+    stages.check_cpu_servers(load_config("tiny", overrides + [f"rollout.sglang.env={{PYTHONPATH: {standin}}}"]), None)

@@ -83,15 +83,39 @@ def server_python(cfg: SGLangConfig) -> str:
 
 
 def check_server_python(cfg: SGLangConfig) -> str | None:
-    """None if launched servers can start from `server_python(cfg)`, else what is wrong and the fix."""
+    """None if launched servers can start from `server_python(cfg)`, else what is wrong and the fix:
+    the interpreter exists and finds sglang and, in CPU mode, `sgl_kernel` (SGLang's CPU mode imports
+    compiled CPU kernels from it at start), with rollout.sglang.env's PYTHONPATH."""
     if cfg.python:
         if not Path(cfg.python).is_file():
             return f"rollout.sglang.python: {cfg.python!r} does not exist; point it at an interpreter that has sglang"
-        return None
-    if not (env_dir(cfg.device) / ".complete").is_file():
+    elif not (env_dir(cfg.device) / ".complete").is_file():
         flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"
         return (f"rollout.sglang.python is unset and no SGLang environment is built at {env_dir(cfg.device)}; "
                 f"build it with `make sglang-env{flag}`, or set rollout.sglang.python")
+    python = server_python(cfg)
+    wanted = ["sglang"] + (["sgl_kernel"] if cfg.device == "cpu" else [])
+    # found, not imported: a few tens of milliseconds, nothing of torch
+    probe = ("import importlib.util, sys; "
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    try:
+        out = subprocess.run([python, "-c", probe, *wanted], env={**os.environ, **cfg.env}, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"rollout.sglang.python: {python} cannot be run ({exc}); point it at an interpreter that has sglang"
+    missing = out.stdout.split() if out.returncode == 0 else wanted
+    if "sglang" in missing and cfg.python:
+        return f"rollout.sglang.python: {python} cannot import sglang; point it at an interpreter that has sglang"
+    if "sglang" in missing:
+        flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"
+        return (f"the SGLang environment at {env_dir(cfg.device)} cannot import sglang; build it again with "
+                f"`rm -rf {env_dir(cfg.device)} && make sglang-env{flag}`, or set rollout.sglang.python")
+    if "sgl_kernel" in missing:
+        return ("rollout.sglang.device=cpu: SGLang's CPU mode imports compiled CPU kernels from sgl_kernel, which "
+                f"{python} cannot import (the package registry has no CPU build of sglang-kernel); run rollouts "
+                "in process with rollout.engine=hf, or put a CPU build of sgl_kernel on the servers' PYTHONPATH "
+                "(rollout.sglang.env: posttrain's tests use tests/sglang_cpu, a plain-torch stand-in for the two "
+                "kernels a dense model calls)")
     return None
 
 
