@@ -23,12 +23,17 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     """The SFT stage's work on one rank: in this process, or on each rank under the launcher."""
     # torch and transformers load here, not at import: a fully cached run never needs them
     from trainer import engine as ds, lora
-    from trainer.model import build_model, count_params, resolve_pretrained
+    from trainer.model import build_model, count_params, load_problem, resolve_pretrained
     from trainer.sft import train_sft
     from trainer.tokenizer import load_tokenizer
 
-    tok_path = tokenizer_dir(tokenizer) if tokenizer else resolve_pretrained(cfg.model.pretrained)
-    tok = load_tokenizer(tok_path)
+    if tokenizer:
+        tok = load_tokenizer(tokenizer_dir(tokenizer))
+    else:  # tokenizer.train: false, the model's own
+        try:
+            tok = load_tokenizer(resolve_pretrained(cfg.model.pretrained))
+        except OSError as exc:
+            raise load_problem(cfg.model.pretrained, exc, "the tokenizer of ") from None
     model = build_model(cfg.model, tok, cfg.seed)
     logger.log_params({"model.n_params": count_params(model)})
     if not cfg.sft.enabled:

@@ -216,3 +216,26 @@ def test_sft_packs_where_it_can_and_pads_elsewhere(tiny_tokenizer, tmp_path, cap
         _, res = train_sft(cfg, gpt2, tiny_tokenizer, rows, tmp_path / "gpt2")
     assert res.steps == 1
     assert "padded batches, not packed" in caplog.text
+
+
+def test_a_hub_model_this_machine_cannot_fetch_is_named_with_the_way_round(monkeypatch, tmp_path):
+    """A hub name in model.pretrained where the hub cannot be reached (offline mode here, as fast as
+    the machine without network, which takes about a minute of retries): the model and, with
+    tokenizer.train false, its tokenizer fail naming the field and how to run without the hub, not
+    with transformers' bare OSError from inside the SFT stage."""
+    import huggingface_hub.constants
+
+    from tasks.sft import train_and_export
+    from trainer.model import ModelLoadError
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    name = "posttrain-tests/no-such-model"
+    cfg = load_config("tiny", [f"model.pretrained={name}", "tokenizer.train=false"])
+    fix = f"download the model where you can (`hf download {name} --local-dir DIR`) and set model.pretrained=DIR"
+    with pytest.raises(ModelLoadError, match=rf"^model.pretrained: could not load the tokenizer of '{name}': ") as err:
+        train_and_export(cfg, {}, None, tmp_path, logger=None)
+    assert fix in str(err.value)
+    with pytest.raises(ModelLoadError, match=rf"^model.pretrained: could not load '{name}': ") as err:
+        build_model(cfg.model, None, 0)
+    assert fix in str(err.value)
+    assert not list(tmp_path.iterdir())

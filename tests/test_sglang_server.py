@@ -81,7 +81,7 @@ def servers(base_model, tiny_tokenizer):
     """Two servers, the second's port taken by another process after it was chosen and before the
     server listens on it (as happened once in a full run: the other worker's servers take ports of
     their own meanwhile): the engine launches that one again on another port (checked below)."""
-    problem = check_server_python(SGLangConfig(device="cpu"))
+    problem = check_server_python(SGLangConfig(device="cpu", env={"PYTHONPATH": str(STANDIN)}))
     assert problem is None, problem  # not skipped: `make test` builds the environment first
     path, _ = base_model
     chosen, held = sglang.free_ports, []

@@ -29,6 +29,17 @@ def pretrained_kind(ref: str) -> str:
     return "hub"
 
 
+def load_problem(ref: str, exc: OSError, what: str = "") -> ModelLoadError:
+    """model.pretrained `ref` could not be loaded (`what`: "the tokenizer of ", say): the error, and for
+    a hub name the way to run where the hub cannot be reached."""
+    msg = f"model.pretrained: could not load {what}{ref!r}: {exc}"
+    if pretrained_kind(ref) == "hub":
+        msg += (f"\nWhere this machine cannot reach the hub, download the model where you can (`hf download {ref} "
+                "--local-dir DIR`) and set model.pretrained=DIR; a local folder, an s3:// URI and a .gguf file "
+                "load without the hub")
+    return ModelLoadError(msg)
+
+
 def resolve_pretrained(ref: str) -> str:
     """A local folder for s3://, local and .gguf refs; hub names pass through unchanged."""
     from trainer.gguf_source import GGUFError, converted, is_gguf
@@ -59,7 +70,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
         try:
             return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
         except OSError as exc:
-            raise ModelLoadError(f"model.pretrained: could not load {cfg.pretrained!r}: {exc}") from None
+            raise load_problem(cfg.pretrained, exc) from None
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
