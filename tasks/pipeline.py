@@ -132,6 +132,9 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     from mlflow.entities import RunStatus
 
     log = prefect_logger()
+    problem = storage.local_root_problem(cfg.artifact_root)  # before any MLflow run is made
+    if problem:
+        raise problem
     uri = tracking_uri()
     client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, cfg.tracking.artifact_location)

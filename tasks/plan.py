@@ -67,8 +67,12 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
 
 
 def _check_root(root: str, problems: list[str]) -> None:
-    """An s3:// artifact_root: its bucket exists and these credentials may use it (a run would stop
-    at its first write otherwise)."""
+    """artifact_root: a local one is (or can be made) a folder this user may write in; an s3:// one's
+    bucket exists and these credentials may use it (a run would stop at its first write otherwise)."""
+    problem = storage.local_root_problem(root)
+    if problem:
+        problems.append(str(problem))
+        return
     try:
         storage.probe(root)
     except Exception as exc:  # credentials, bucket, endpoint, network: report, do not crash the plan

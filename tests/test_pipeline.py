@@ -296,6 +296,31 @@ def test_recompute_forces_a_stage_and_its_descendants(first_run):
     assert again["headline"]["final_accuracy"] == result["headline"]["final_accuracy"]
 
 
+def test_an_artifact_root_that_cannot_hold_results_stops_the_run_before_it_starts(tmp_path, capsys):
+    """A local artifact_root under a file (a typo, a path swapped with a file's): exit 2 naming the
+    setting and the fix, before an MLflow run is made, and listed by the dry run (was a
+    NotADirectoryError traceback, and an MLflow run that failed). A folder this user may not write in
+    is found the same way (os.access; not tested here: the tests may run as root, who may)."""
+    from mlflow import MlflowClient
+
+    from flows.cli import main
+
+    afile = tmp_path / "results.txt"
+    afile.write_text("")
+    experiment = f"unusable-root-{tmp_path.name}"
+    for root in (afile, afile / "art"):
+        args = ["--set", f"artifact_root={root}", "--set", f"tracking.experiment={experiment}"]
+        assert main(["prepare-data", *args]) == 2
+        err = capsys.readouterr().err
+        assert (f"posttrain: artifact_root: '{root}' cannot hold results: {afile} is a file, not a folder; point "
+                "artifact_root at a folder") in err, err[-2000:]
+        assert main(["speedrun", "--dry-run", *args]) == 2
+        assert f"PROBLEM: artifact_root: '{root}' cannot hold results" in capsys.readouterr().out
+    exp = MlflowClient().get_experiment_by_name(experiment)
+    assert exp is None or not MlflowClient().search_runs([exp.experiment_id])
+    assert afile.read_text() == ""
+
+
 def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):
     from flows.cli import main
 

@@ -134,6 +134,25 @@ def probe(url: str) -> None:
         pass
 
 
+def local_root_problem(root: str) -> StorageError | None:
+    """Why a local artifact_root cannot hold a run's results, found without writing anything: the
+    nearest folder on its path that exists must be a folder this process may write in. None if it
+    can (or `root` is remote: `probe` checks those)."""
+    if is_remote(root):
+        return None
+    path = Path(fs_for(root)[1]).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return StorageError(f"artifact_root: {root!r} cannot hold results: {existing} is a file, not a folder; point "
+                            "artifact_root at a folder (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return StorageError(f"artifact_root: {root!r} cannot hold results: this user may not write in {existing}; "
+                            "point artifact_root at a folder you can write in, or change its permissions")
+    return None
+
+
 def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(url, **storage_options(url))
     return fs, path
