@@ -164,6 +164,20 @@ def test_malformed_row_names_file_row_and_field(tmp_path):
     assert "bad.jsonl row 3" in msg and "'answer'" in msg and "on_bad_row=skip" in msg
 
 
+@pytest.mark.parametrize("make, named", [
+    (lambda tmp: tmp, "is a folder; point it at one .jsonl, .json or .parquet file"),
+    (lambda tmp: _write(tmp / "empty.jsonl", []), "is empty; it needs rows"),
+    (lambda tmp: (tmp / "blank.jsonl").write_text("\n\n  \n") and str(tmp / "blank.jsonl"),
+     "has no rows (only blank lines)"),
+])
+def test_a_data_file_without_rows_is_named(tmp_path, make, named):
+    """A folder, an empty file, a file of blank lines: named with the fix (were a traceback, a message
+    ending in an empty reason, and datasets' 'Instruction "train" corresponds to no data!')."""
+    path = str(make(tmp_path))
+    with pytest.raises(DataError, match=rf"^data.train: '{re.escape(path)}' {re.escape(named)}"):
+        prepare(DataConfig(source="files", train=path, test=path), seed=0)
+
+
 @pytest.mark.parametrize("answer", ["just prose", "the sum is 4 ####", "the sum is 4 #### \n", "#### ,"])
 def test_row_without_final_answer(tmp_path, answer):
     path = _write(tmp_path / "x.jsonl", [{"question": "q", "answer": answer}])

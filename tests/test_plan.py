@@ -53,8 +53,12 @@ def test_gpu_preset_eight_gpu_plan(tmp_path, capsys):
 @pytest.mark.parametrize("override, named", [
     ("data.source=files data.train=/no/such/train.jsonl", "data.train: '/no/such/train.jsonl' does not exist"),
     ("model.pretrained=./no-such-model", "model.pretrained: './no-such-model' is not a model folder"),
+    ("data.source=files data.train={tmp}", "data.train: '{tmp}' is a folder; point it at one .jsonl"),
+    ("data.source=files data.train={tmp}/empty.jsonl", "data.train: '{tmp}/empty.jsonl' is empty; it needs rows"),
 ])
 def test_dry_run_names_bad_paths(tmp_path, capsys, override, named):
+    (tmp_path / "empty.jsonl").write_text("")
+    override, named = override.format(tmp=tmp_path), named.format(tmp=tmp_path)
     code, out = dry(tmp_path, capsys, *[a for o in override.split() for a in ("--set", o)])
     assert code == 2
     assert f"PROBLEM: {named}" in out

@@ -170,6 +170,9 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
 
     if not exists(path):
         raise DataError(f"data.{which}: file {path!r} does not exist; fix the path or URI")
+    problem = _not_a_rows_file(path)
+    if problem:
+        raise DataError(f"data.{which}: {path!r} {problem}")
     fmt = "parquet" if path.endswith(".parquet") else "json"
     try:
         ds = datasets.load_dataset(fmt, data_files={which: path}, split=which,
@@ -179,9 +182,26 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
         if where is not None:
             raise DataError(f"data.{which}: {path} {where}; fix it (each line of a .jsonl file is "
                             "one JSON object; a .json file may instead hold one array of objects)") from None
-        raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {_root_cause(exc)}; "
+        cause = _root_cause(exc)
+        if "corresponds to no data" in cause:  # datasets' words for a file of blank lines
+            raise DataError(f"data.{which}: {path!r} has no rows (only blank lines); it needs rows (a .jsonl "
+                            "file holds one JSON object per line)") from None
+        raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {cause}; "
                         "use jsonl (one JSON object per line), json or parquet") from None
     return path, ds
+
+
+def _not_a_rows_file(path: str) -> str | None:
+    """What is wrong with a data file that exists, before `datasets` reads it (it answers a folder
+    with a traceback, an empty file with an empty message), or None."""
+    from trainer.storage import fs_for
+
+    fs, p = fs_for(path)
+    if fs.isdir(p):
+        return "is a folder; point it at one .jsonl, .json or .parquet file"
+    if not fs.size(p):
+        return "is empty; it needs rows (a .jsonl file holds one JSON object per line)"
+    return None
 
 
 def _root_cause(exc: BaseException) -> str:
