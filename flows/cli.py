@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 # Prefect reads its settings at import: route the ML core's std logging into the flow-run logs.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "trainer")
@@ -117,6 +118,24 @@ def compare(args) -> int:
     return 0
 
 
+def _check_json_out(path: str) -> None:
+    """--json PATH can be written once the run ends: its folder is made now (a run is not spent to
+    find it cannot be), and PATH is not a folder."""
+    from trainer.storage import folder_problem
+
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ConfigError(f"--json {path}: is a folder; name a file (e.g. {target / 'result.json'})")
+    problem = folder_problem(target.parent)
+    if problem is None:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            problem = f"cannot make {target.parent} ({exc.strerror or exc})"
+    if problem:
+        raise ConfigError(f"--json {path}: {problem}; name a file in a folder you can write in")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "compare":
@@ -142,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if problems else 0
     try:
         stages.check_cpu_servers(cfg, stages.until_for(args.command))
+        if args.json_out:
+            _check_json_out(args.json_out)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
@@ -163,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.json_out:  # whole or not at all
+        part = Path(args.json_out).with_name(f".{Path(args.json_out).name}.{os.getpid()}.part")
+        part.write_text(json.dumps(result, indent=2))
+        part.replace(args.json_out)
     print_summary(result, time.perf_counter() - t0)
     gc.freeze()  # nothing left needs collecting: saves ~1 s of garbage collection at interpreter exit
     return 0

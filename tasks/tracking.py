@@ -3,6 +3,7 @@ logger every stage logs through (trainer.tracking.MetricLogger's MLflow side) an
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -136,14 +137,42 @@ def mlflow_client(uri: str):
     if not uri.startswith("sqlite:///") or uri in _ready:
         return MlflowClient(tracking_uri=uri)
     db = Path(uri[len("sqlite:///"):]).expanduser()
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
-        client.search_experiments(max_results=1)
-        client.search_registered_models(max_results=1)  # ... and the model registry's
+    try:
+        if db.is_dir():  # checked first: MLflow retries opening it for a minute and a half
+            raise IsADirectoryError(errno.EISDIR, "a folder, not a SQLite file", str(db))
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(db.with_name(db.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
+            client.search_experiments(max_results=1)
+            client.search_registered_models(max_results=1)  # ... and the model registry's
+    except Exception as exc:
+        problem = _store_problem(db, exc)
+        if problem is None:
+            raise
+        raise TrackingError(f"MLFLOW_TRACKING_URI={uri}: {problem}; point it at a SQLite file in a folder you can "
+                            f"write in (sqlite:////abs/path/mlflow.db), or unset it to track in {DEFAULT_TRACKING_URI}") \
+            from None
     _ready.add(uri)
     return client
+
+
+def _store_problem(db: Path, exc: BaseException) -> str | None:
+    """What keeps a SQLite tracking store from being used, for the errors a path or file causes."""
+    if isinstance(exc, IsADirectoryError):
+        return f"{db} is a folder, not a SQLite file"
+    if isinstance(exc, OSError):
+        from trainer.storage import folder_problem
+
+        return f"cannot keep a tracking store at {db}: {folder_problem(db.parent) or exc.strerror or exc}"
+    try:
+        from sqlalchemy.exc import DatabaseError
+    except ImportError:
+        return None
+    if isinstance(exc, DatabaseError):
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        return f"cannot open {db} as an MLflow SQLite store ({reason})"
+    return None
 
 
 def client_for(ref: TrackingRef):

@@ -185,3 +185,35 @@ def test_a_tracking_server_behind_a_certificate_this_check_does_not_trust_still_
         port = s.getsockname()[1]
     with pytest.raises(TrackingError, match=rf"MLflow tracking server http://127.0.0.1:{port} .* does not answer"):
         check_server(f"http://127.0.0.1:{port}", attempts=1)
+
+
+def test_an_unusable_sqlite_store_or_json_path_stops_the_command_naming_it(tmp_path, capsys, monkeypatch):
+    """A SQLite MLFLOW_TRACKING_URI under a file, naming a folder or a file that is not a database,
+    and a --json PATH under a file or naming a folder: exit 2 naming the setting and the fix, before
+    any stage (were tracebacks; --json's only after the whole run). A --json PATH in folders that do
+    not exist yet gets them, and the result whole."""
+    from flows.cli import main
+
+    afile, folder, garbage = tmp_path / "afile", tmp_path / "folder", tmp_path / "garbage.db"
+    afile.write_text(""), folder.mkdir(), garbage.write_text("not a database")
+    art = ["--set", f"artifact_root={tmp_path / 'art'}", "--set", "data.synthetic.n_train=200",
+           "--set", "data.synthetic.n_test=20"]
+    fix = "point it at a SQLite file in a folder you can write in"
+    for uri, named in [(f"sqlite:///{afile}/mlflow.db", f"{afile} is a file, not a folder"),
+                       (f"sqlite:///{folder}", f"{folder} is a folder, not a SQLite file"),
+                       (f"sqlite:///{garbage}", f"cannot open {garbage} as an MLflow SQLite store (file is not a "
+                                                "database)")]:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["prepare-data", *art]) == 2
+        err = capsys.readouterr().err
+        assert f"posttrain: MLFLOW_TRACKING_URI={uri}: " in err and named in err and fix in err, err[-2000:]
+    monkeypatch.undo()
+    for out, named in [(afile / "r.json", f"--json {afile / 'r.json'}: {afile} is a file, not a folder"),
+                       (folder, f"--json {folder}: is a folder; name a file")]:
+        assert main(["prepare-data", *art, "--json", str(out)]) == 2
+        assert f"posttrain: {named}" in capsys.readouterr().err
+    assert not (tmp_path / "art").exists() and afile.read_text() == ""
+    out = tmp_path / "new" / "folders" / "r.json"
+    assert main(["prepare-data", *art, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["stages"][0]["stage"] == "prepare_data"
+    assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no part file left beside it

@@ -134,22 +134,28 @@ def probe(url: str) -> None:
         pass
 
 
-def local_root_problem(root: str) -> StorageError | None:
-    """Why a local artifact_root cannot hold a run's results, found without writing anything: the
-    nearest folder on its path that exists must be a folder this process may write in. None if it
-    can (or `root` is remote: `probe` checks those)."""
-    if is_remote(root):
-        return None
-    path = Path(fs_for(root)[1]).absolute()
-    existing = path
+def folder_problem(folder: str | Path) -> str | None:
+    """Why `folder` could not be made (if missing) and written in, found without writing anything:
+    the nearest path on the way to it that exists must be a folder this user may write in."""
+    existing = Path(folder).expanduser().absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        return StorageError(f"artifact_root: {root!r} cannot hold results: {existing} is a file, not a folder; point "
-                            "artifact_root at a folder (it is created if missing)")
+        return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return StorageError(f"artifact_root: {root!r} cannot hold results: this user may not write in {existing}; "
-                            "point artifact_root at a folder you can write in, or change its permissions")
+        return f"this user may not write in {existing}"
+    return None
+
+
+def local_root_problem(root: str) -> StorageError | None:
+    """Why a local artifact_root cannot hold a run's results (`folder_problem`), or None (also for a
+    remote root: `probe` checks those)."""
+    if is_remote(root):
+        return None
+    problem = folder_problem(fs_for(root)[1])
+    if problem:
+        return StorageError(f"artifact_root: {root!r} cannot hold results: {problem}; point artifact_root at a "
+                            "folder you can write in (it is created if missing)")
     return None
 
 
