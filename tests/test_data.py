@@ -154,6 +154,29 @@ def test_gsm8k_commas_and_messages_format(tmp_path):
     assert msgs.test[0]["answer"] == "7"
 
 
+def test_chat_rows_with_tool_turns_load_and_each_bad_message_is_named(tmp_path):
+    """A chat row may hold tool turns (role "tool"), as the calculator's episodes and tool-use SFT
+    sets do; a message that cannot be trained on is named by its number and what is wrong with it."""
+    from trainer.data import prompt_messages
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*3"}}</tool_call>'
+    row = {"messages": [{"role": "user", "content": "What is 17*3?"}, {"role": "assistant", "content": call},
+                        {"role": "tool", "content": "51"}, {"role": "assistant", "content": "#### 51"}]}
+    path = _write(tmp_path / "tools.jsonl", [row])
+    data = prepare(DataConfig(source="files", train=path, test=path, fields={"messages": "messages"}), seed=0)
+    assert data.test[0]["messages"] == row["messages"] and data.test[0]["answer"] == "51"
+    assert prompt_messages(data.test[0]) == row["messages"][:1]
+    for message, named in [({"content": "q"}, "message 1: has no role; roles are system, user, assistant, tool"),
+                           ({"role": "wizard", "content": "q"}, "message 1: has role 'wizard'"),
+                           ({"role": "user", "content": [{"type": "text", "text": "q"}]},
+                            "message 1: has content as a list of parts; write it as one string"),
+                           ({"role": "user", "content": None}, "message 1: has no content"),
+                           ("q", "message 1: is a str, not an object with role and content")]:
+        bad = _write(tmp_path / "bad.jsonl", [{"messages": [message, {"role": "assistant", "content": "#### 1"}]}])
+        with pytest.raises(DataError, match=rf"bad.jsonl row 1: field 'messages', {re.escape(named)}"):
+            prepare(DataConfig(source="files", train=bad, test=bad, fields={"messages": "messages"}), seed=0)
+
+
 def test_malformed_row_names_file_row_and_field(tmp_path):
     rows = [{"question": "ok", "answer": "#### 1"}, {"question": "ok", "answer": "#### 2"},
             {"question": "no answer field"}]

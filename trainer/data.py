@@ -191,6 +191,23 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
     return path, ds
 
 
+ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's answer, as the calculator's episodes have
+
+
+def _message_problem(m: Any) -> str | None:
+    """What keeps one message of a chat row from being trained on, or None."""
+    if not isinstance(m, dict):
+        return f"is a {type(m).__name__}, not an object with role and content"
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        return (f"has no role" if role is None else f"has role {role!r}") + f"; roles are {', '.join(ROLES)}"
+    if isinstance(content, list):
+        return "has content as a list of parts; write it as one string"
+    if not isinstance(content, str):
+        return "has no content" if content is None else f"has content of type {type(content).__name__}, not a string"
+    return None
+
+
 def _not_a_rows_file(path: str) -> str | None:
     """What is wrong with a data file that exists, before `datasets` reads it (it answers a folder
     with a traceback, an empty file with an empty message), or None."""
@@ -272,11 +289,10 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, whic
         msgs = row.get(f.messages)
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: field {f.messages!r} must be a non-empty list of messages")
-        for m in msgs:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: field {f.messages!r} has a message without role "
-                                "(system/user/assistant) and string content")
+        for n, m in enumerate(msgs, 1):
+            problem = _message_problem(m)
+            if problem:
+                raise DataError(f"{where}: field {f.messages!r}, message {n}: {problem}")
         if msgs[-1]["role"] != "assistant":
             raise DataError(f"{where}: field {f.messages!r} must end with an assistant message")
         final = _final_answer(msgs[-1]["content"], where, f.messages)
