@@ -23,6 +23,16 @@ def string_reward(response, example):
     return "high"
 
 
+def picky_reward(response, example):
+    if "13" in response:
+        raise ValueError(f"cannot grade {response!r}")
+    return 1.0
+
+
+def one_argument_reward(response):
+    return 1.0
+
+
 def numpy_reward(response, example):
     import numpy as np
 
@@ -89,6 +99,46 @@ def test_non_float_reward_raises():
     mix = RewardMix.from_specs([RewardSpec(name="tests.test_rewards:string_reward")])
     with pytest.raises(RewardError, match="returned 'high'"):
         mix.score(["x"], [EX])
+
+
+def test_a_reward_that_raises_is_noted_with_its_sample_and_logged_once(caplog):
+    """The user's reward raising on some responses: those samples' totals are None (a bad reward, as
+    NaN is), the error is noted by sample, and its first traceback of the call goes to the log."""
+    mix = RewardMix.from_specs([RewardSpec(name="tests.test_rewards:picky_reward"), RewardSpec(name="format")])
+    with caplog.at_level("WARNING", logger="trainer.rl.rewards"):
+        totals, parts = mix.score(["#### 12", "#### 13", "#### 13"], [EX] * 3)
+    assert totals == [2.0, None, None]
+    assert mix.raised == {1: "reward 'tests.test_rewards:picky_reward' raised ValueError: cannot grade '#### 13'",
+                          2: "reward 'tests.test_rewards:picky_reward' raised ValueError: cannot grade '#### 13'"}
+    assert parts["format"] == [1.0, 1.0, 1.0]
+    [record] = [r for r in caplog.records if "raised" in r.getMessage()]
+    assert record.exc_info and "example 'e1'" in record.getMessage()
+    assert mix.score(["#### 12"], [EX])[0] == [2.0] and mix.raised == {}  # per call
+
+
+def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys):
+    """Through the CLI: exit 2 naming the reward, its error and the example (was the user's
+    traceback and exit 1); with grpo.on_bad_reward=skip the round drops those samples and goes on.
+    A reward that cannot take (response, example) stops the run before any stage."""
+    from flows.cli import main
+
+    small = ["--set", f"artifact_root={tmp_path / 'art'}", "--set", "sft.max_steps=5", "--set",
+             "data.synthetic.n_train=300", "--set", "grpo.rounds=1", "--set", "rollout.prompts_per_round=4"]
+    raising = ["--set", "grpo.rewards=[{name: math}, {name: 'tests.test_rewards:string_reward_that_raises'}]"]
+    assert main(["grpo", *small, *raising]) == 2
+    err = capsys.readouterr().err
+    assert ("grpo.rewards: reward 'tests.test_rewards:string_reward_that_raises' raised TypeError: can only "
+            "concatenate str") in err and "on example 'syn-" in err and "grpo.on_bad_reward=skip" in err, err[-3000:]
+    assert "Traceback" not in err.split("posttrain: grpo.rewards")[-1]
+    assert main(["grpo", *small, *raising, "--set", "grpo.on_bad_reward=skip"]) == 0
+    capsys.readouterr()
+    assert main(["grpo", *small, "--set", "grpo.rewards=[{name: 'tests.test_rewards:one_argument_reward'}]"]) == 2
+    assert ("grpo.rewards: 'tests.test_rewards:one_argument_reward' cannot be called as "
+            "tests.test_rewards:one_argument_reward(response, example)") in capsys.readouterr().err
+
+
+def string_reward_that_raises(response, example):
+    return response + 1  # a bug in the user's reward: every sample raises
 
 
 def test_reward_model_from_path(tmp_path, tiny_tokenizer):

@@ -218,6 +218,10 @@ class RolloutManager:
                 s.components["environment"] = s.env_reward
                 total = total + s.env_reward if total is not None and math.isfinite(s.env_reward) else None
             if total is None:
+                if self.on_bad_reward == "error" and k in self.rewards.raised:
+                    raise RewardError(f"grpo.rewards: {self.rewards.raised[k]} on example "
+                                      f"{self.examples[s.example_index]['id']!r} (its traceback is in the log); fix "
+                                      "the reward, or set grpo.on_bad_reward=skip to drop such samples")
                 if self.on_bad_reward == "error":
                     raise RewardError(f"grpo.rewards: a reward returned a non-finite value {s.components} for "
                                       f"example {self.examples[s.example_index]['id']!r}; fix the reward or set "

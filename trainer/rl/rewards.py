@@ -4,16 +4,19 @@ Built in: `math` (1.0 when math-verify says the final answer equals the gold ans
 (1.0 when the response's last `####` holds a number, or it has a \\boxed{} answer) and `reward_model`
 (a HF sequence-classification model loaded from a path, scoring prompt + response). Any
 other name is a dotted path `package.module:function` or `package.module.function`. The config
-mixes them with weights. A reward that returns NaN/inf raises, or is counted and its sample
-dropped when `grpo.on_bad_reward: skip`.
+mixes them with weights. A reward that returns NaN/inf or raises stops the round naming it and the
+example, or is counted and its sample dropped when `grpo.on_bad_reward: skip` (the first traceback
+of each reward in a round goes to the log).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainer.answers import has_format, is_correct
@@ -21,6 +24,7 @@ from trainer.data import prompt_messages
 from trainer.errors import InputError
 
 RewardFn = Callable[[str, dict[str, Any]], float]
+log = logging.getLogger(__name__)
 
 
 class RewardError(InputError):
@@ -124,9 +128,19 @@ def check_rewards(specs) -> None:
         if spec.name in BUILTIN or (spec.name == "reward_model" and spec.path):
             continue
         try:
-            resolve(spec.name, spec.path)
+            fn = resolve(spec.name, spec.path)
         except RewardError as exc:
             raise ConfigError(str(exc)) from None
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a callable Python cannot describe (some built-ins): called as is
+            continue
+        try:
+            signature.bind("response", {"id": "example"})
+        except TypeError as exc:
+            raise ConfigError(f"grpo.rewards: {spec.name!r} cannot be called as {spec.name}(response, example) "
+                              f"({exc}); a reward takes the response text and the example dict and returns a "
+                              "float") from None
 
 
 @dataclass
@@ -136,6 +150,8 @@ class RewardMix:
     names: list[str]
     fns: list[RewardFn]
     weights: list[float]
+    # the last `score`'s samples whose reward raised: index -> "reward 'name' raised Error: text"
+    raised: dict[int, str] = field(default_factory=dict, init=False)
 
     @classmethod
     def from_specs(cls, specs) -> "RewardMix":
@@ -144,11 +160,12 @@ class RewardMix:
     def score(self, responses: list[str], examples: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, list[float]]]:
         """(total per sample, or None where a component was not finite; components by name)."""
         parts: dict[str, list[float]] = {}
+        self.raised = {}
         for name, fn in zip(self.names, self.fns):
             if isinstance(fn, RewardModel):
                 values = fn.score(responses, examples)
             else:
-                values = [fn(r, ex) for r, ex in zip(responses, examples)]
+                values = [self._call(name, fn, i, r, ex) for i, (r, ex) in enumerate(zip(responses, examples))]
             parts[name] = [_number(name, v) for v in values]
         totals: list[float | None] = []
         for i in range(len(responses)):
@@ -156,6 +173,18 @@ class RewardMix:
             totals.append(None if any(not math.isfinite(v) for v in vals)
                           else sum(w * v for w, v in zip(self.weights, vals)))
         return totals, parts
+
+
+    def _call(self, name: str, fn: RewardFn, i: int, response: str, example: dict[str, Any]) -> Any:
+        """fn(response, example); NaN when it raises (a bad reward, as NaN is), noted in `raised`."""
+        try:
+            return fn(response, example)
+        except Exception as exc:  # noqa: BLE001 - the user's reward code: reported with its example
+            what = f"reward {name!r} raised {type(exc).__name__}: {exc}"
+            if not any(e.startswith(f"reward {name!r} ") for e in self.raised.values()):
+                log.warning("grpo.rewards: %s on example %r", what, example.get("id"), exc_info=True)
+            self.raised.setdefault(i, what)
+            return float("nan")
 
 
 def _number(name: str, value: Any) -> float:
