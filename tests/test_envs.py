@@ -143,7 +143,7 @@ def test_tool_schemas_come_from_signatures_and_docstrings():
 
 
 MODULE = textwrap.dedent('''
-    from trainer.rl.envs import Environment, ToolEpisode, Tool
+    from trainer.rl.envs import Environment, Episode, ToolEpisode, Tool
 
     class Notes:
         """TRL-style: no-argument constructor, reset(**row), public methods are the tools."""
@@ -186,6 +186,34 @@ MODULE = textwrap.dedent('''
 
     class Half(Environment):
         pass
+
+    class Careless(Environment):
+        """Its reset raises on one row; its episodes' step raises after the first turn."""
+        max_turns = 3
+
+        def reset(self, example):
+            if example["id"] == "bad-row":
+                raise KeyError("difficulty")
+            return CarelessEpisode([dict(m) for m in example["messages"][:1]])
+
+    class CarelessEpisode(Episode):
+        def step(self, text):
+            raise ZeroDivisionError("division by zero")
+
+    class Sloppy(Environment):
+        def reset(self, example):
+            return {"messages": example["messages"][:1]}  # not an Episode
+
+    class TrlCareless:
+        def reset(self, **row):
+            raise RuntimeError("no sandbox")
+
+        def look(self, q: str) -> str:
+            """Look.
+
+            Args:
+                q: what.
+            """
 ''')
 
 
@@ -242,6 +270,35 @@ def test_a_bad_environment_stops_the_run_before_any_stage(env_module, capsys):
     cfg = load_config("tiny", ["rollout.environment.name=my_envs:Notes", "rollout.environment.max_turns=2"])
     check_environment(cfg.rollout.environment)
     assert cfg.rollout.environment.multi_turn and environment_of(cfg.rollout.environment).max_turns == 2
+
+
+def test_an_environment_whose_own_code_fails_is_named_with_the_example_or_turn(env_module, tmp_path, capsys):
+    """A custom environment's reset or step raising, or returning the wrong thing: an error naming
+    the class, the method, the example or turn and the error, the traceback chained (was a traceback
+    from inside the rollout, exit 1); through the CLI, exit 2."""
+    from flows.cli import main
+    from trainer.rl.envs import EnvironmentRunError, reset_episode, step_episode
+
+    careless = load_environment("my_envs:Careless")
+    with pytest.raises(EnvironmentRunError, match=r"^rollout.environment: Careless.reset on example 'bad-row' raised "
+                                                  r"KeyError: 'difficulty'; fix the environment") as err:
+        reset_episode(careless, {**EXAMPLE, "id": "bad-row"})
+    assert isinstance(err.value.__cause__, KeyError)
+    episode = reset_episode(careless, EXAMPLE)
+    with pytest.raises(EnvironmentRunError, match=r"^rollout.environment: CarelessEpisode.step after turn 2 raised "
+                                                  r"ZeroDivisionError: division by zero"):
+        step_episode(episode, "#### 84", 2)
+    with pytest.raises(EnvironmentRunError, match=r"Sloppy.reset on example 'p1' returned dict, not an Episode"):
+        reset_episode(load_environment("my_envs:Sloppy"), EXAMPLE)
+    with pytest.raises(EnvironmentRunError, match=r"TrlCareless.reset on example 'p1' raised RuntimeError: no sandbox"):
+        reset_episode(load_environment("my_envs:TrlCareless"), EXAMPLE)
+    small = ["--set", f"artifact_root={tmp_path / 'art'}", "--set", "sft.max_steps=5", "--set",
+             "data.synthetic.n_train=300", "--set", "grpo.rounds=1", "--set", "rollout.prompts_per_round=4",
+             "--set", "rollout.environment.name=my_envs:Careless"]
+    assert main(["grpo", *small]) == 2
+    err = capsys.readouterr().err
+    assert "posttrain: rollout.environment: CarelessEpisode.step after turn 1 raised ZeroDivisionError" in err, \
+        err[-3000:]
 
 
 def test_the_configs_builtin_environments_are_the_ones_built():

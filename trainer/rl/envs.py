@@ -77,6 +77,41 @@ class Environment:
         raise NotImplementedError
 
 
+class EnvironmentRunError(InputError):
+    """An environment's own code failed in an episode: names the class, the method, the example and
+    the error (its traceback, chained, is in the log)."""
+
+
+def _owner(obj: Any) -> str:
+    return getattr(obj, "cls", type(obj)).__name__  # a TRL-style class: the user's, not the adapter
+
+
+def reset_episode(environment: Environment, example: dict[str, Any]) -> Episode:
+    """environment.reset(example), its failures named (the user's code runs here)."""
+    where = f"rollout.environment: {_owner(environment)}.reset on example {example.get('id')!r}"
+    try:
+        episode = environment.reset(example)
+    except Exception as exc:
+        raise EnvironmentRunError(f"{where} raised {type(exc).__name__}: {exc}; fix the environment (its traceback "
+                                  "is in the log)") from exc
+    if not isinstance(episode, Episode):
+        raise EnvironmentRunError(f"{where} returned {type(episode).__name__}, not an Episode (trainer.rl.envs)")
+    return episode
+
+
+def step_episode(episode: Episode, text: str, turn: int) -> Step:
+    """episode.step(text) after the policy's turn `turn` (from 1), its failures named."""
+    where = f"rollout.environment: {_owner(episode)}.step after turn {turn}"
+    try:
+        step = episode.step(text)
+    except Exception as exc:
+        raise EnvironmentRunError(f"{where} raised {type(exc).__name__}: {exc}; fix the environment (its traceback "
+                                  "is in the log)") from exc
+    if not isinstance(step, Step):
+        raise EnvironmentRunError(f"{where} returned {type(step).__name__}, not a Step (trainer.rl.envs)")
+    return step
+
+
 # ---------------------------------------------------------------- tools
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.chat import ChatFormatError, render_ids
 from trainer.inference.generate import Generation
 from trainer.inference.engines import RolloutEngine, SamplingParams
-from trainer.rl.envs import Episode, Tool
+from trainer.rl.envs import Episode, Tool, step_episode
 from trainer.rl.tools import TOOL_CALL_END, TOOL_CALL_START
 
 TURN_SEED_STRIDE = 1_000_003  # seed offset between an episode batch's turns
@@ -150,7 +150,7 @@ def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Epi
             text = tok.decode(ids, skip_special_tokens=True)
             t.texts.append(text)
             t.turns.append({"role": "assistant", "text": text, "trained": True})
-            step = t.episode.step(text)
+            step = step_episode(t.episode, text, turn + 1)
             t.tool_calls += step.tool_calls
             t.tool_errors += step.tool_errors
             if step.reward is not None:

@@ -24,7 +24,7 @@ from trainer.chat import encode_prompt
 from trainer.config import RolloutConfig
 from trainer.data import prompt_messages
 from trainer.inference.engines import RolloutEngine, SamplingParams
-from trainer.rl.envs import environment_of
+from trainer.rl.envs import environment_of, reset_episode
 from trainer.rl.multiturn import Observations, play, tool_use
 from trainer.rl.rewards import RewardError, RewardMix
 from trainer.rl.trajectory import Group, RolloutBatch, Sample
@@ -168,7 +168,7 @@ class RolloutManager:
                 gens = self.engine.generate([self._prompt(i) for i in examples], params)
                 return [Sample(i, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason, version=version)
                         for i, g in zip(examples, gens)]
-            episodes = [self.environment.reset(self.examples[i]) for i in examples]
+            episodes = [reset_episode(self.environment, self.examples[i]) for i in examples]
             trajs = play(self.engine, self.tok, episodes, params, cfg.environment.max_turns, self.max_tokens,
                          self.observations, cfg.environment.describe_tools)
             return [Sample(i, t.prompt, t.ids, t.logprobs, "\n".join(t.texts), t.reason, loss_mask=t.mask,
