@@ -86,30 +86,28 @@ def _owner(obj: Any) -> str:
     return getattr(obj, "cls", type(obj)).__name__  # a TRL-style class: the user's, not the adapter
 
 
-def reset_episode(environment: Environment, example: dict[str, Any]) -> Episode:
-    """environment.reset(example), its failures named (the user's code runs here)."""
-    where = f"rollout.environment: {_owner(environment)}.reset on example {example.get('id')!r}"
+def _guarded(where: str, call: Callable[[], Any], kind: type) -> Any:
+    """call(), the user's code: what it raises, or returns other than a `kind`, named by `where`."""
     try:
-        episode = environment.reset(example)
+        out = call()
     except Exception as exc:
         raise EnvironmentRunError(f"{where} raised {type(exc).__name__}: {exc}; fix the environment (its traceback "
                                   "is in the log)") from exc
-    if not isinstance(episode, Episode):
-        raise EnvironmentRunError(f"{where} returned {type(episode).__name__}, not an Episode (trainer.rl.envs)")
-    return episode
+    if not isinstance(out, kind):
+        raise EnvironmentRunError(f"{where} returned {type(out).__name__}, not {'an' if kind.__name__[0] in 'AEIOU' else 'a'}"
+                                  f" {kind.__name__} (trainer.rl.envs)")
+    return out
+
+
+def reset_episode(environment: Environment, example: dict[str, Any]) -> Episode:
+    """environment.reset(example), its failures named."""
+    return _guarded(f"rollout.environment: {_owner(environment)}.reset on example {example.get('id')!r}",
+                    lambda: environment.reset(example), Episode)
 
 
 def step_episode(episode: Episode, text: str, turn: int) -> Step:
     """episode.step(text) after the policy's turn `turn` (from 1), its failures named."""
-    where = f"rollout.environment: {_owner(episode)}.step after turn {turn}"
-    try:
-        step = episode.step(text)
-    except Exception as exc:
-        raise EnvironmentRunError(f"{where} raised {type(exc).__name__}: {exc}; fix the environment (its traceback "
-                                  "is in the log)") from exc
-    if not isinstance(step, Step):
-        raise EnvironmentRunError(f"{where} returned {type(step).__name__}, not a Step (trainer.rl.envs)")
-    return step
+    return _guarded(f"rollout.environment: {_owner(episode)}.step after turn {turn}", lambda: episode.step(text), Step)
 
 
 # ---------------------------------------------------------------- tools
