@@ -190,6 +190,10 @@ def test_bad_lora_settings_are_named_before_the_run(tiny_tokenizer, tmp_path, ca
         load_config("tiny", ["model.lora.merge=false", "rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="model.lora.target_modules"):
         load_config("tiny", ["model.lora.target_modules=[]"])
+    # a string is a regular expression (peft's): one that does not compile is named when the config loads
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules = '\[': not a regular expression "
+                                          r"\(unterminated character set"):
+        load_config("tiny", ["model.lora={rank: 4, target_modules: '['}"])
     # the CLI: exit 2 with the field and the layers, before any stage runs (nothing written)
     from flows.cli import main
 

@@ -139,6 +139,14 @@ class LoRAConfig(Strict):
     def _targets(cls, v: str | list[str]) -> str | list[str]:
         if isinstance(v, list) and (not v or not all(isinstance(x, str) and x for x in v)):
             raise ValueError("give all-linear or a non-empty list of layer names, e.g. [q_proj, v_proj]")
+        if isinstance(v, str) and v != "all-linear":  # a regular expression over the layers' full names (peft's)
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression ({exc}); give all-linear, a list of layer names "
+                                 "(e.g. [q_proj, v_proj]) or a pattern such as '.*(q|v)_proj'") from None
         return v
 
 
