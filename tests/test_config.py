@@ -56,6 +56,16 @@ def test_cross_field_rule_explains_fix():
                                               "pretrained model uses its own tokenizer; set tokenizer.train=false")
 
 
+def test_one_sample_a_prompt_is_refused_for_group_advantages_only():
+    """With one sample a prompt every group-relative advantage is 0: GRPO would skip every update
+    (a run did, silently, 'no usable samples after filtering' each round). PPO's critic can use one."""
+    with pytest.raises(ConfigError, match=r"rollout.n_samples_per_prompt=1 with grpo.advantage=group: .* sample at "
+                                          r"least 2 a prompt"):
+        load_config("tiny", ["rollout.n_samples_per_prompt=1"])
+    load_config("tiny", ["rollout.n_samples_per_prompt=1", "grpo.advantage=gae"])
+    load_config("tiny", ["rollout.n_samples_per_prompt=1", "grpo.enabled=false", "control.enabled=false"])
+
+
 def test_unknown_preset_and_missing_file():
     with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
         load_config("nope")

@@ -495,6 +495,11 @@ class RunConfig(Strict):
         if self.control.enabled and not self.grpo.enabled:
             raise ValueError("control.enabled=true needs grpo.enabled=true: the control's budget is GRPO's "
                              "training time; enable grpo or set control.enabled=false")
+        if self.grpo.enabled and self.grpo.advantage == "group" and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.n_samples_per_prompt=1 with grpo.advantage=group: a sample's advantage is its reward "
+                "against its group's mean, which with one sample a prompt is always 0, so GRPO would never "
+                "update; sample at least 2 a prompt (8 is usual), or use grpo.advantage=gae (PPO's critic)")
         rb = self.rollout.prompts_per_round * self.rollout.n_samples_per_prompt
         if self.grpo.enabled and rb % self.grpo.mini_batches:
             raise ValueError(
