@@ -83,6 +83,11 @@ def print_summary(result: dict, seconds: float) -> None:
     grpo = next((s for s in result["stages"] if s["stage"] == "grpo"), None)
     if grpo and not grpo["cache_hit"]:
         console.print(f"grpo wall time: {grpo['wall_seconds']:.1f}s over {grpo['metrics'].get('grpo/rounds', 0):.0f} rounds")
+    skipped = (grpo or {}).get("metrics", {}).get("grpo/skipped_updates", 0)
+    if skipped:
+        console.print(f"grpo: {skipped:.0f} of {grpo['metrics'].get('grpo/rounds', 0):.0f} rounds did not update the "
+                      "policy: no sample was left to train on (a group whose rewards all agree, all right or all "
+                      "wrong, is filtered out, as are samples with a bad reward); see update/skipped in MLflow")
     console.print(f"wall time: {seconds:.1f}s")
     if result.get("registered_model"):
         console.print(f"registered model: {result['registered_model']} (MLflow Model Registry)")

@@ -129,6 +129,8 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
         metrics["grpo/last_tool_calls_mean"] = last["rollout/tool_calls_mean"]
         metrics["grpo/last_tool_success_rate"] = last["rollout/tool_success_rate"]
     metrics["grpo/world_size"] = ds.world_size()
+    # rounds whose every group was filtered out (all of a group's rewards equal): no update
+    metrics["grpo/skipped_updates"] = sum(h.get("update/skipped", 0.0) for h in trainer.history)
     logger.log_metrics(metrics)
     logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0
     logger.log_artifact(work / "model", "model")

@@ -131,7 +131,9 @@ def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, 
             "concatenate str") in err and "on example 'syn-" in err and "grpo.on_bad_reward=skip" in err, err[-3000:]
     assert "Traceback" not in err.split("posttrain: grpo.rewards")[-1]
     assert main(["grpo", *small, *raising, "--set", "grpo.on_bad_reward=skip"]) == 0
-    capsys.readouterr()
+    # every sample dropped: the summary says the round did not update the policy
+    assert "grpo: 1 of 1 rounds did not update the policy: no sample was left" in " ".join(
+        capsys.readouterr().out.split())
     assert main(["grpo", *small, "--set", "grpo.rewards=[{name: 'tests.test_rewards:one_argument_reward'}]"]) == 2
     assert ("grpo.rewards: 'tests.test_rewards:one_argument_reward' cannot be called as "
             "tests.test_rewards:one_argument_reward(response, example)") in capsys.readouterr().err
