@@ -162,7 +162,7 @@ def register_policy(run, stages: dict[str, dict], model_stage: str) -> tuple[str
 
     client, cfg, log = run.logger.client, run.cfg, prefect_logger()
     policy = stages[model_stage]
-    name = cfg.tracking.registered_model or f"posttrain-{cfg.name.replace('.', '-')}"
+    name = cfg.registered_model_name()
     try:
         client.get_registered_model(name)
     except MlflowException:

@@ -66,6 +66,17 @@ def test_one_sample_a_prompt_is_refused_for_group_advantages_only():
     load_config("tiny", ["rollout.n_samples_per_prompt=1", "grpo.enabled=false", "control.enabled=false"])
 
 
+def test_a_registry_name_mlflow_refuses_is_named_when_the_config_loads():
+    """The final policy is registered at the very end of a speedrun: a name MLflow refuses ('/' or
+    ':') would fail the run after every stage had run."""
+    with pytest.raises(ConfigError, match=r"tracking.registered_model: the MLflow Model Registry name 'team/x' cannot"):
+        load_config("tiny", ["tracking.registered_model=team/x"])
+    with pytest.raises(ConfigError, match=r"name \(the default tracking.registered_model is posttrain-<name>\): .*"
+                                          r"'posttrain-team:x'"):
+        load_config("tiny", ["name=team:x"])
+    assert load_config("tiny", ["name=qwen2.5"]).registered_model_name() == "posttrain-qwen2-5"
+
+
 def test_unknown_preset_and_missing_file():
     with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
         load_config("nope")

@@ -528,6 +528,12 @@ class RunConfig(Strict):
                 "grpo.deepspeed.zero_stage=1 or 2 (optimizer state and gradients sharded, whole weights on "
                 "each rank), or one rank"
             )
+        registered = self.registered_model_name()
+        if not registered.strip() or any(c in registered for c in "/:"):
+            field = "tracking.registered_model" if self.tracking.registered_model is not None else (
+                "name (the default tracking.registered_model is posttrain-<name>)")
+            raise ValueError(f"{field}: the MLflow Model Registry name {registered!r} cannot be registered (names are "
+                             "not empty and have no '/' or ':'); set tracking.registered_model to another name")
         lc = self.model.lora
         if lc is not None and not lc.merge and (self.rollout.engine == "sglang" or self.eval_engine() == "sglang"):
             raise ValueError(
@@ -535,6 +541,11 @@ class RunConfig(Strict):
                 "weights only, it cannot take the adapters themselves; set model.lora.merge=true (merged weights "
                 "pushed each round) or use the hf engine")
         return self
+
+    def registered_model_name(self) -> str:
+        """The MLflow Model Registry name of the final policy (tracking.registered_model, or from the name)."""
+        return self.tracking.registered_model if self.tracking.registered_model is not None else \
+            f"posttrain-{self.name.replace('.', '-')}"
 
     def eval_engine(self) -> str:
         """What answers the eval stages: "hf" or "sglang" (eval.engine resolved against rollout.engine)."""
