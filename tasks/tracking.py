@@ -171,6 +171,8 @@ def _store_problem(db: Path, exc: BaseException) -> str | None:
         return None
     if isinstance(exc, DatabaseError):
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        if "locked" in reason:  # another process holds the store: nothing wrong with the path; raised as is
+            return None
         return f"cannot open {db} as an MLflow SQLite store ({reason})"
     return None
 

@@ -213,6 +213,14 @@ def test_an_unusable_sqlite_store_or_json_path_stops_the_command_naming_it(tmp_p
         assert main(["prepare-data", *art, "--json", str(out)]) == 2
         assert f"posttrain: {named}" in capsys.readouterr().err
     assert not (tmp_path / "art").exists() and afile.read_text() == ""
+    # a store another process holds locked is nothing wrong with the path: raised as it is
+    from sqlalchemy.exc import OperationalError
+
+    from tasks.tracking import _store_problem
+
+    locked = OperationalError("PRAGMA", {}, Exception("database is locked"))
+    assert _store_problem(garbage, locked) is None
+    assert _store_problem(garbage, OperationalError("x", {}, Exception("file is not a database"))) is not None
     out = tmp_path / "new" / "folders" / "r.json"
     assert main(["prepare-data", *art, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["stages"][0]["stage"] == "prepare_data"
