@@ -10,7 +10,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from tasks.tracking import MlflowLogger, TrackingError, TrackingRef, mlflow_client, prefect_logger, tracking_uri
+from tasks.tracking import (MlflowLogger, TrackingError, TrackingRef, artifact_store_problem, mlflow_client,
+                            prefect_logger, tracking_uri)
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -157,8 +158,7 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
             problem = storage.setup_problem(run.info.artifact_uri, exc)
             if problem is None:
                 raise
-            raise TrackingError(f"tracking.artifact_location (the experiment's artifact store): {problem} (MLflow's S3 "
-                                "endpoint: MLFLOW_S3_ENDPOINT_URL, else AWS_ENDPOINT_URL)") from None
+            raise TrackingError(artifact_store_problem(problem)) from None
         storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
         pipe = PipelineRun(cfg, ref, logger, flow_name)
         yield pipe

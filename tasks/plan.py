@@ -94,9 +94,10 @@ def _check_artifact_location(location: str | None, problems: list[str]) -> None:
     try:
         get_artifact_repository(location).list_artifacts()
     except Exception as exc:  # credentials, bucket, endpoint, network: report, do not crash the plan
-        problem = storage.setup_problem(location, exc) or f"{location}: {type(exc).__name__}: {exc}"
-        problems.append(f"tracking.artifact_location (the experiment's artifact store): {problem} (MLflow's S3 "
-                        "endpoint: MLFLOW_S3_ENDPOINT_URL, else AWS_ENDPOINT_URL)")
+        from tasks.tracking import artifact_store_problem
+
+        problems.append(artifact_store_problem(storage.setup_problem(location, exc) or
+                                               f"{location}: {type(exc).__name__}: {exc}"))
 
 
 def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:

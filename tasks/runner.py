@@ -133,10 +133,8 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
 
         logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
         # nothing written, no checkpoint to resume from: no empty key folder left behind, nor (s3://)
-        # a scratch folder holding only its holder's note
-        if not storage.is_remote(folder) and not any(work.iterdir()):
-            work.rmdir()
-        elif storage.is_remote(folder) and {p.name for p in work.iterdir()} <= {HOLDER_FILE}:
+        # a scratch folder holding only its holder's note (a local work folder has none)
+        if not {p.name for p in work.iterdir()} - {HOLDER_FILE}:
             shutil.rmtree(work, ignore_errors=True)
         if fresh:
             log.error("%s: the recompute failed; the earlier result at %s is kept", stage, folder)

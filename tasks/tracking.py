@@ -3,7 +3,6 @@ logger every stage logs through (trainer.tracking.MetricLogger's MLflow side) an
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -137,19 +136,21 @@ def mlflow_client(uri: str):
     if not uri.startswith("sqlite:///") or uri in _ready:
         return MlflowClient(tracking_uri=uri)
     db = Path(uri[len("sqlite:///"):]).expanduser()
-    try:
-        if db.is_dir():  # checked first: MLflow retries opening it for a minute and a half
-            raise IsADirectoryError(errno.EISDIR, "a folder, not a SQLite file", str(db))
-        db.parent.mkdir(parents=True, exist_ok=True)
-        with open(db.with_name(db.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
-            client.search_experiments(max_results=1)
-            client.search_registered_models(max_results=1)  # ... and the model registry's
-    except Exception as exc:
-        problem = _store_problem(db, exc)
-        if problem is None:
-            raise
+    # a folder is named before MLflow tries it: MLflow retries opening one for a minute and a half
+    problem = f"{db} is a folder, not a SQLite file" if db.is_dir() else None
+    if problem is None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            with open(db.with_name(db.name + ".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                client = MlflowClient(tracking_uri=uri)  # creates or migrates the tracking tables
+                client.search_experiments(max_results=1)
+                client.search_registered_models(max_results=1)  # ... and the model registry's
+        except Exception as exc:
+            problem = _store_problem(db, exc)
+            if problem is None:
+                raise
+    if problem is not None:
         raise TrackingError(f"MLFLOW_TRACKING_URI={uri}: {problem}; point it at a SQLite file in a folder you can "
                             f"write in (sqlite:////abs/path/mlflow.db), or unset it to track in {DEFAULT_TRACKING_URI}") \
             from None
@@ -157,10 +158,14 @@ def mlflow_client(uri: str):
     return client
 
 
+def artifact_store_problem(problem: object) -> str:
+    """An unusable tracking.artifact_location (`problem`: why), as the run and the dry run name it."""
+    return (f"tracking.artifact_location (the experiment's artifact store): {problem} (MLflow's S3 endpoint: "
+            "MLFLOW_S3_ENDPOINT_URL, else AWS_ENDPOINT_URL)")
+
+
 def _store_problem(db: Path, exc: BaseException) -> str | None:
     """What keeps a SQLite tracking store from being used, for the errors a path or file causes."""
-    if isinstance(exc, IsADirectoryError):
-        return f"{db} is a folder, not a SQLite file"
     if isinstance(exc, OSError):
         from trainer.storage import folder_problem
 

@@ -90,21 +90,23 @@ def note_shared_memory(folder, prefix: str) -> bool:
 
 
 def remove_folder(folder, shared_memory=()) -> None:
-    """Remove `folder` with the /dev/shm files its note lists and those in `shared_memory`. Only
-    files directly in /dev/shm are removed, whatever the note says."""
+    """Remove `folder` (None: there is none) with the /dev/shm files its note lists and those in
+    `shared_memory`. Only files directly in /dev/shm are removed, whatever the note says."""
     paths = set(shared_memory)
-    try:
-        with open(os.path.join(folder, SHARED_MEMORY_NOTE)) as f:
-            paths |= {line.strip() for line in f}
-    except OSError:
-        pass
+    if folder is not None:
+        try:
+            with open(os.path.join(folder, SHARED_MEMORY_NOTE)) as f:
+                paths |= {line.strip() for line in f}
+        except OSError:
+            pass
     for path in paths:
         if os.path.dirname(path) == "/dev/shm" and os.path.basename(path) not in ("", ".", ".."):
             try:
                 os.unlink(path)
             except OSError:
                 pass
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def sweep_dead(folder, prefix: str) -> None:

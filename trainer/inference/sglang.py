@@ -86,11 +86,11 @@ def check_server_python(cfg: SGLangConfig) -> str | None:
     """None if launched servers can start from `server_python(cfg)`, else what is wrong and the fix:
     the interpreter exists and finds sglang and, in CPU mode, `sgl_kernel` (SGLang's CPU mode imports
     compiled CPU kernels from it at start), with rollout.sglang.env's PYTHONPATH."""
+    flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"  # `make sglang-env`'s
     if cfg.python:
         if not Path(cfg.python).is_file():
             return f"rollout.sglang.python: {cfg.python!r} does not exist; point it at an interpreter that has sglang"
     elif not (env_dir(cfg.device) / ".complete").is_file():
-        flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"
         return (f"rollout.sglang.python is unset and no SGLang environment is built at {env_dir(cfg.device)}; "
                 f"build it with `make sglang-env{flag}`, or set rollout.sglang.python")
     python = server_python(cfg)
@@ -107,7 +107,6 @@ def check_server_python(cfg: SGLangConfig) -> str | None:
     if "sglang" in missing and cfg.python:
         return f"rollout.sglang.python: {python} cannot import sglang; point it at an interpreter that has sglang"
     if "sglang" in missing:
-        flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"
         return (f"the SGLang environment at {env_dir(cfg.device)} cannot import sglang; build it again with "
                 f"`rm -rf {env_dir(cfg.device)} && make sglang-env{flag}`, or set rollout.sglang.python")
     if "sgl_kernel" in missing:
@@ -259,6 +258,7 @@ class _Server:
                  relaunch: Callable[[], _Server] | None = None, scratch: Path | None = None) -> None:
         self.url, self.proc, self.relaunch, self.scratch = url.rstrip("/"), proc, relaunch, scratch
         self._shm: set[str] = set()  # the shared memory its processes held when it was killed
+        self._killed = False  # close() kills every server before stopping each: one /proc scan each
         self.log_tail: deque[str] = deque(maxlen=60)
         self.bind_failed = False  # its HTTP server found the port taken (and exited, uvicorn's code 3)
         self._drainer: Thread | None = None
@@ -292,13 +292,14 @@ class _Server:
         """SIGKILL the server's process group, noting first the shared memory its processes hold."""
         from trainer.procwatch import group_shared_memory
 
-        if self.proc is None:
+        if self.proc is None or self._killed:
             return
         self._shm |= group_shared_memory(self.proc.pid, SHM_PREFIX)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self._killed = True
 
     def stop(self, wait_s: float = 20.0) -> None:
         """SIGKILL the server's process group, then remove the files SGLang leaves: its temp folder
@@ -314,11 +315,8 @@ class _Server:
         deadline = time.monotonic() + wait_s  # the children
         while not group_gone(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.scratch is not None:  # with the shared memory the server noted in it (one that died
-            remove_folder(self.scratch, self._shm)  # before this stop held none any more)
-        else:
-            for path in self._shm:
-                Path(path).unlink(missing_ok=True)
+        # with the shared memory the server noted in its folder (one that died before this stop held none)
+        remove_folder(self.scratch, self._shm)
 
 
 # ---------------------------------------------------------------- the engine

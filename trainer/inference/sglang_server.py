@@ -36,16 +36,7 @@ def _scratch() -> str | None:
 def _leave_nothing() -> None:
     """Remove what SGLang leaves behind when it is killed: its shared memory in /dev/shm, and its
     ZMQ socket files, in the temp folder posttrain made for this server."""
-    mapped = _procwatch.group_shared_memory(os.getpgrp(), SHM_PREFIX)
-    scratch = _scratch()
-    if scratch is None:
-        for path in mapped:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    else:
-        _procwatch.remove_folder(scratch, mapped)
+    _procwatch.remove_folder(_scratch(), _procwatch.group_shared_memory(os.getpgrp(), SHM_PREFIX))
 
 
 def _watch(parent_pid: int, every_s: float = 1.0) -> None:

@@ -165,7 +165,7 @@ class RewardMix:
             if isinstance(fn, RewardModel):
                 values = fn.score(responses, examples)
             else:
-                values = [self._call(name, fn, i, r, ex) for i, (r, ex) in enumerate(zip(responses, examples))]
+                values = _called(name, fn, responses, examples, self.raised)
             parts[name] = [_number(name, v) for v in values]
         totals: list[float | None] = []
         for i in range(len(responses)):
@@ -175,16 +175,22 @@ class RewardMix:
         return totals, parts
 
 
-    def _call(self, name: str, fn: RewardFn, i: int, response: str, example: dict[str, Any]) -> Any:
-        """fn(response, example); NaN when it raises (a bad reward, as NaN is), noted in `raised`."""
+def _called(name: str, fn: RewardFn, responses: list[str], examples: list[dict[str, Any]],
+            raised: dict[int, str]) -> list[Any]:
+    """fn(response, example) for each sample; NaN where it raises (a bad reward, as NaN is), noted in
+    `raised` by sample, the first traceback logged."""
+    values, logged = [], False
+    for i, (r, ex) in enumerate(zip(responses, examples)):
         try:
-            return fn(response, example)
-        except Exception as exc:  # noqa: BLE001 - the user's reward code: reported with its example
+            values.append(fn(r, ex))
+        except Exception as exc:  # noqa: BLE001 - the user's reward code: named with its example
             what = f"reward {name!r} raised {type(exc).__name__}: {exc}"
-            if not any(e.startswith(f"reward {name!r} ") for e in self.raised.values()):
-                log.warning("grpo.rewards: %s on example %r", what, example.get("id"), exc_info=True)
-            self.raised.setdefault(i, what)
-            return float("nan")
+            if not logged:
+                log.warning("grpo.rewards: %s on example %r", what, ex.get("id"), exc_info=True)
+                logged = True
+            raised.setdefault(i, what)
+            values.append(float("nan"))
+    return values
 
 
 def _number(name: str, value: Any) -> float:
