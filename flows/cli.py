@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_summary(result: dict, seconds: float) -> None:
+def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -101,11 +101,50 @@ def print_summary(result: dict, seconds: float) -> None:
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}", **plain)
     console.print(f"MLflow runs table: {table}", **plain)
     console.print(f"this run:          {page}", **plain)
-    if not tracking_uri().startswith(("http://", "https://")):
-        console.print(f"  (served by `make serve`, or: .venv/bin/mlflow ui --backend-store-uri {tracking_uri()} --port 5000)",
-                      **plain)
-    console.print("open Prefect: .venv/bin/prefect server start   (then http://127.0.0.1:4200)")
-    console.print("or both, with the deployments and a worker: make serve")
+    for line in where_to_look(result["flow_run_id"], temporary_prefect):
+        console.print(line, **plain)
+
+
+def _shown(path: Path) -> str:
+    """A path as the user types it from here: relative under the working folder, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def where_to_look(flow_run_id: str | None, temporary_prefect: bool) -> list[str]:
+    """How to open this run in the MLflow and Prefect UIs, from wherever the command ran: the
+    interpreter's own `mlflow` and `prefect`, a SQLite store by its absolute path, and `make serve`
+    only where it shows this run (it opens the clone's store and keeps Prefect's state apart)."""
+    from prefect.settings import get_current_settings
+
+    from deployments.serve import ROOT
+    from tasks.tracking import tracking_uri
+
+    bin_dir, uri, lines = Path(sys.executable).parent, tracking_uri(), []
+    serve = "make serve" if Path.cwd().resolve() == ROOT else f"make -C {ROOT} serve"
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):]).expanduser()
+        served = path.resolve() == (ROOT / path).resolve()  # `make serve` opens the same URI from the clone
+        ui = f"{_shown(bin_dir / 'mlflow')} ui --backend-store-uri sqlite:///{_shown(path.resolve())} --port 5000"
+        lines.append(f"  (served by `{serve}`, or: {ui})" if served else f"  (served by: {ui})")
+    elif not uri.startswith(("http://", "https://")):
+        lines.append(f"  (served by: {_shown(bin_dir / 'mlflow')} ui --backend-store-uri {uri} --port 5000)")
+    settings = get_current_settings()
+    page = f"runs/flow-run/{flow_run_id}" if flow_run_id else ""
+    own = settings.ui_url or (settings.api.url or "").rstrip("/").removesuffix("/api")
+    if own and not temporary_prefect:  # a Prefect server of the user's own
+        lines.append(f"Prefect:           {own.rstrip('/')}/{page}")
+        return lines
+    lines.append(f"Prefect:           {_shown(bin_dir / 'prefect')} server start, then http://127.0.0.1:4200/{page}"
+                 f"   (its state: {settings.home})")
+    if "PREFECT_HOME" in os.environ:  # `make serve` keeps its Prefect state there too
+        lines.append(f"or both, with the deployments and a worker: {serve}")
+    else:
+        lines.append(f"{serve}: the MLflow UI, and Prefect with the deployments and a worker; its Prefect keeps "
+                     f"its own state ({_shown(ROOT / '.serve' / 'prefect')}), with the runs started from it")
+    return lines
 
 
 def compare(args) -> int:
@@ -193,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         part = Path(args.json_out).with_name(f".{Path(args.json_out).name}.{os.getpid()}.part")
         part.write_text(json.dumps(result, indent=2))
         part.replace(args.json_out)
-    print_summary(result, time.perf_counter() - t0)
+    print_summary(result, time.perf_counter() - t0, temporary_prefect=server is not None)
     gc.freeze()  # nothing left needs collecting: saves ~1 s of garbage collection at interpreter exit
     return 0
 

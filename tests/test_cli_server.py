@@ -62,6 +62,15 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path, 
     assert f"MLflow runs table: {table}\n" in proc.stdout, proc.stdout[-2000:]
     assert f"this run:          {runs}/{result['mlflow_run_id']}?workflowType=machine_learning\n" in proc.stdout, \
         proc.stdout[-2000:]
+    # how to open both UIs on this run: its store by path, the interpreter's own tools, the flow run's
+    # page; `make serve` (run from the clone: MLFLOW_TRACKING_URI names the same store there) shows it
+    bin_dir = os.path.relpath(Path(sys.executable).parent, ROOT) if Path(sys.executable).is_relative_to(ROOT) \
+        else Path(sys.executable).parent  # as typed from the command's folder, the clone
+    assert f"  (served by `make serve`, or: {bin_dir}/mlflow ui --backend-store-uri " \
+           f"sqlite:///{tmp_path / 'mlflow.db'} --port 5000)\n" in proc.stdout, proc.stdout[-2000:]
+    assert f"Prefect:           {bin_dir}/prefect server start, then http://127.0.0.1:4200/runs/flow-run/" \
+           f"{result['flow_run_id']}   (its state: {tmp_path / 'prefect'})\n" in proc.stdout, proc.stdout[-2000:]
+    assert "or both, with the deployments and a worker: make serve\n" in proc.stdout
     assert not listening(int(m.group(1))), "the server outlived its command"
     import tempfile
 
@@ -225,3 +234,32 @@ def test_an_unusable_sqlite_store_or_json_path_stops_the_command_naming_it(tmp_p
     assert main(["prepare-data", *art, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["stages"][0]["stage"] == "prepare_data"
     assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no part file left beside it
+
+
+def test_the_summary_says_how_to_open_this_run_from_wherever_it_ran(tmp_path, monkeypatch):
+    """Run outside the clone, the default store is a file there: `make serve` (which opens the clone's)
+    is not offered for it, the commands name the interpreter's own tools and the store's path, and
+    `make serve`'s Prefect, whose state is its own, is not said to show a run of the temporary server.
+    A Prefect server of the user's own is linked directly."""
+    from flows.cli import where_to_look
+
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_API_URL"):
+        monkeypatch.delenv(var, raising=False)
+    bin_dir = Path(sys.executable).parent
+    monkeypatch.chdir(tmp_path)
+    lines = where_to_look("f-1", temporary_prefect=True)
+    assert lines[0] == f"  (served by: {bin_dir / 'mlflow'} ui --backend-store-uri sqlite:///mlflow.db --port 5000)"
+    assert lines[1].startswith(f"Prefect:           {bin_dir / 'prefect'} server start, "
+                               "then http://127.0.0.1:4200/runs/flow-run/f-1   (its state: ")
+    assert lines[2] == (f"make -C {ROOT} serve: the MLflow UI, and Prefect with the deployments and a worker; its "
+                        f"Prefect keeps its own state ({ROOT / '.serve' / 'prefect'}), with the runs started from it")
+    monkeypatch.chdir(ROOT)  # in the clone: the store `make serve` opens, the paths as typed there
+    lines = where_to_look("f-1", temporary_prefect=True)
+    assert lines[0] == "  (served by `make serve`, or: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db " \
+                       "--port 5000)" or not (ROOT / ".venv").is_dir()
+    assert lines[2].startswith("make serve: ")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://team.example:4200/api"}):
+        assert where_to_look("f-1", temporary_prefect=False)[1:] == [
+            "Prefect:           http://team.example:4200/runs/flow-run/f-1"]
