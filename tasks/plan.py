@@ -50,8 +50,15 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
         return
     path = Path(ref).expanduser()
     if model and pretrained_kind(ref) == "hub":
-        notes.append(f"{field}: {ref} is a hub name: it loads only where this machine can reach the hub "
-                     "(offline, point it at a local folder or s3:// URI)")
+        from trainer.model import ModelLoadError, resolve_pretrained
+
+        try:
+            where = resolve_pretrained(ref)
+        except ModelLoadError as exc:
+            problems.append(str(exc))
+            return
+        notes.append(f"{field}: {ref} (a hub name: " + ("the hub serves it)" if where == ref else
+                                                        f"this machine's hub cache holds it, {where})"))
         return
     if gguf:
         if path.is_file():

@@ -10,19 +10,33 @@ GPU8 = ["--set", "sft.deepspeed.ranks_per_node=8", "--set", "grpo.deepspeed.rank
         "--set", "rollout.sglang.num_servers=4", "--set", "rollout.sglang.first_gpu=4"]
 
 
-def dry(tmp_path, capsys, *extra: str) -> tuple[int, str]:
+def dry(tmp_path, capsys, *extra: str, hub: bool = False) -> tuple[int, str]:
+    """The GPU preset's dry run; its model a local folder unless `hub` (the preset's hub name)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    local = [] if hub else ["--set", f"model.pretrained={model}"]
     code = main(["speedrun", "--preset", "qwen2.5-0.5b-gsm8k", "--dry-run",
-                 "--set", f"artifact_root={tmp_path / 'art'}", *extra])
+                 "--set", f"artifact_root={tmp_path / 'art'}", *local, *extra])
     return code, capsys.readouterr().out
 
 
-def test_gpu_preset_one_gpu_plan(tmp_path, capsys):
-    code, out = dry(tmp_path, capsys)  # as on a fresh clone: hub model and hub data, nothing beside it
-    assert code == 0, out
+def test_gpu_preset_one_gpu_plan(tmp_path, capsys, monkeypatch):
+    """As on a fresh clone with no hub (its address refused here, whatever this machine can reach): the
+    plan is printed, and the hub model that cannot be fetched is the problem, named at once."""
+    import huggingface_hub.constants
+
+    for const, value in (("ENDPOINT", "http://127.0.0.1:9"),
+                         ("HUGGINGFACE_CO_URL_TEMPLATE", "http://127.0.0.1:9/{repo_id}/resolve/{revision}/{filename}")):
+        monkeypatch.setattr(huggingface_hub.constants, const, value)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out = dry(tmp_path, capsys, hub=True)  # hub model and hub data, nothing beside it
+    assert code == 2, out
     assert "sft" in out and "runs in the task's process: 1 rank, zero_stage=2 precision=bf16" in out
     assert "CUDA_VISIBLE_DEVICES=0" in out and "sglang_server.py --parent-pid" in out and "--model-path" in out
     assert "data: hub dataset openai/gsm8k" in out
-    assert "hub name" in out
+    assert "model.pretrained: could not load 'Qwen/Qwen2.5-0.5B-Instruct': it is not in this machine's hub cache, " \
+           "and the hub cannot be reached from here (ConnectError" in out
     assert not (tmp_path / "art").exists()  # nothing written
 
 

@@ -167,8 +167,13 @@ def test_reward_model_from_path(tmp_path, tiny_tokenizer):
 
 
 def test_reward_model_bad_path(tmp_path):
-    with pytest.raises(RewardError, match="reward_model path"):
+    """Named by its own setting, not the policy's (model.pretrained), whose path checks it shares."""
+    with pytest.raises(RewardError, match=r"^grpo\.rewards\[\]\.path: '.*nothing' is not a model folder \(no config"):
         resolve("reward_model", str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")  # a folder transformers cannot load
+    with pytest.raises(RewardError, match="^grpo.rewards: reward_model path .*empty' could not be loaded: "):
+        resolve("reward_model", str(tmp_path / "empty"))
 
 
 def test_a_reward_that_cannot_be_imported_stops_the_run_before_any_stage(tmp_path, capsys):

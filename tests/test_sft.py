@@ -1,5 +1,7 @@
 """SFT core: the masked loss, data order, and DeepSpeed training that checkpoints and resumes."""
 
+import logging
+
 import pytest
 import torch
 
@@ -218,24 +220,52 @@ def test_sft_packs_where_it_can_and_pads_elsewhere(tiny_tokenizer, tmp_path, cap
     assert "padded batches, not packed" in caplog.text
 
 
-def test_a_hub_model_this_machine_cannot_fetch_is_named_with_the_way_round(monkeypatch, tmp_path):
-    """A hub name in model.pretrained where the hub cannot be reached (offline mode here, as fast as
-    the machine without network, which takes about a minute of retries): the model and, with
-    tokenizer.train false, its tokenizer fail naming the field and how to run without the hub, not
-    with transformers' bare OSError from inside the SFT stage."""
+def test_a_hub_model_this_machine_cannot_fetch_is_named_with_the_way_round(monkeypatch, tmp_path, caplog,
+                                                                           tiny_tokenizer):
+    """A hub name in model.pretrained this machine cannot fetch (offline mode; a hub that cannot be
+    reached, here a port nothing listens on): the model and, with tokenizer.train false, its tokenizer
+    fail naming the field, the reason and how to run without the hub, at once: the hub client alone
+    retries for about 25 s a file first (a minute before the SFT stage failed), not with transformers'
+    bare OSError. A hub name in this machine's hub cache loads from it with no hub at all."""
     import huggingface_hub.constants
 
     from tasks.sft import train_and_export
     from trainer.model import ModelLoadError
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     name = "posttrain-tests/no-such-model"
     cfg = load_config("tiny", [f"model.pretrained={name}", "tokenizer.train=false"])
     fix = f"download the model where you can (`hf download {name} --local-dir DIR`) and set model.pretrained=DIR"
-    with pytest.raises(ModelLoadError, match=rf"^model.pretrained: could not load the tokenizer of '{name}': ") as err:
-        train_and_export(cfg, {}, None, tmp_path, logger=None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    offline = rf"^model.pretrained: could not load '{name}': it is not in this machine's hub cache, and HF_HUB_OFFLINE " \
+              "is set"
+    with pytest.raises(ModelLoadError, match=offline) as err:
+        train_and_export(cfg, {}, None, tmp_path / "out", logger=None)
     assert fix in str(err.value)
-    with pytest.raises(ModelLoadError, match=rf"^model.pretrained: could not load '{name}': ") as err:
-        build_model(cfg.model, None, 0)
-    assert fix in str(err.value)
-    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for const, value in (("ENDPOINT", "http://127.0.0.1:9"),  # refused
+                         ("HUGGINGFACE_CO_URL_TEMPLATE", "http://127.0.0.1:9/{repo_id}/resolve/{revision}/{filename}")):
+        monkeypatch.setattr(huggingface_hub.constants, const, value)
+    unreachable = rf"^model.pretrained: could not load '{name}': it is not in this machine's hub cache, and the hub " \
+                  "cannot be reached from here \\(ConnectError"
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ModelLoadError, match=unreachable) as err:
+            build_model(cfg.model, None, 0)
+        assert fix in str(err.value)
+        with pytest.raises(ModelLoadError, match=unreachable):
+            train_and_export(cfg, {}, None, tmp_path / "out", logger=None)
+    assert "Retrying" not in caplog.text, "the hub client was left to retry"
+    assert not (tmp_path / "out").exists()
+
+    # the same name in the hub cache (as `hf download` leaves it): loaded from there, the hub unreachable
+    snapshot = tmp_path / "hub" / "models--posttrain-tests--no-such-model" / "snapshots" / ("0" * 40)
+    model = _arch("llama", tiny_tokenizer)
+    model.save_pretrained(snapshot)
+    tiny_tokenizer.save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    with caplog.at_level(logging.INFO):
+        loaded = build_model(cfg.model, tiny_tokenizer, 0)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert f"model.pretrained: {name} comes from this machine's hub cache ({snapshot})" in caplog.text
+    assert "Retrying" not in caplog.text, "the hub client was left to retry"

@@ -4,6 +4,7 @@ an `s3://` URI (downloaded once into the local cache), a `.gguf` file (converted
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from trainer import storage
 from trainer.config import ModelConfig
 from trainer.errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(InputError):
@@ -29,19 +32,20 @@ def pretrained_kind(ref: str) -> str:
     return "hub"
 
 
-def load_problem(ref: str, exc: OSError, what: str = "") -> ModelLoadError:
-    """model.pretrained `ref` could not be loaded (`what`: "the tokenizer of ", say): the error, and for
+def load_problem(ref: str, exc: OSError, what: str = "", field: str = "model.pretrained") -> ModelLoadError:
+    """`field`'s model `ref` could not be loaded (`what`: "the tokenizer of ", say): the error, and for
     a hub name the way to run where the hub cannot be reached."""
-    msg = f"model.pretrained: could not load {what}{ref!r}: {exc}"
+    msg = f"{field}: could not load {what}{ref!r}: {exc}"
     if pretrained_kind(ref) == "hub":
         msg += (f"\nWhere this machine cannot reach the hub, download the model where you can (`hf download {ref} "
-                "--local-dir DIR`) and set model.pretrained=DIR; a local folder, an s3:// URI and a .gguf file "
+                f"--local-dir DIR`) and set {field}=DIR; a local folder, an s3:// URI and a .gguf file "
                 "load without the hub")
     return ModelLoadError(msg)
 
 
-def resolve_pretrained(ref: str) -> str:
-    """A local folder for s3://, local and .gguf refs; hub names pass through unchanged."""
+def resolve_pretrained(ref: str, field: str = "model.pretrained") -> str:
+    """A local folder for s3://, local and .gguf refs; for a hub name, what `_from_hub` says. Errors
+    name `field`, the setting that holds `ref`."""
     from trainer.gguf_source import GGUFError, converted, is_gguf
 
     if is_gguf(ref):
@@ -52,15 +56,53 @@ def resolve_pretrained(ref: str) -> str:
     kind = pretrained_kind(ref)
     if kind == "remote":
         if not storage.exists(ref):
-            raise ModelLoadError(f"model.pretrained: {ref!r} does not exist; check the URI and credentials")
+            raise ModelLoadError(f"{field}: {ref!r} does not exist; check the URI and credentials")
         return str(storage.local_dir(ref))
     if kind == "local":
         path = Path(ref).expanduser()
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model.pretrained: {ref!r} is not a model folder (no config.json); "
+            raise ModelLoadError(f"{field}: {ref!r} is not a model folder (no config.json); "
                                  "point it at a save_pretrained folder")
         return str(path)
-    return ref  # a hub name: works where the machine can reach the hub
+    return _from_hub(ref, field)
+
+
+def _from_hub(ref: str, field: str) -> str:
+    """A hub name as transformers should load it: the name where the hub answers; this machine's hub
+    cache's snapshot folder where it does not (a name alone, there, costs the hub client's retries of
+    every optional file it looks for, about 25 s each, though the model is on disk); else the reason."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref, "config.json")
+    problem = hub_problem(ref)
+    if problem is None:
+        return ref
+    if isinstance(cached, str):
+        log.info("%s: %s comes from this machine's hub cache (%s): %s", field, ref, Path(cached).parent, problem)
+        return str(Path(cached).parent)
+    raise load_problem(ref, OSError(f"it is not in this machine's hub cache, and {problem}"), field=field)
+
+
+def hub_problem(ref: str) -> str | None:
+    """Why the hub cannot serve model `ref` to this machine, asked once (a fraction of a second, no
+    retries), or None."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_hf_file_metadata(hf_hub_url(ref, "config.json"))
+    except GatedRepoError:
+        return ("the hub holds it gated: accept its terms on its page, then log in (`hf auth login`) or set "
+                "HF_TOKEN")
+    except RepositoryNotFoundError:
+        return "the hub has no model of that name (or it is private: log in with `hf auth login` or set HF_TOKEN)"
+    except EntryNotFoundError:
+        return "its hub repository has no config.json: it is not a transformers model"
+    except Exception as exc:  # the network: DNS, refused, timed out, a proxy's error
+        return f"the hub cannot be reached from here ({type(exc).__name__}: {exc})"
+    return None
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> torch.nn.Module:

@@ -48,10 +48,13 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from trainer.engine import device
-        from trainer.model import resolve_pretrained
+        from trainer.model import ModelLoadError, resolve_pretrained
 
         try:
-            local = resolve_pretrained(path)
+            local = resolve_pretrained(path, field="grpo.rewards[].path")
+        except ModelLoadError as exc:  # names the setting, the path and the fix
+            raise RewardError(str(exc)) from None
+        try:
             self.tok = AutoTokenizer.from_pretrained(local)
             self.model = AutoModelForSequenceClassification.from_pretrained(local).eval().to(device())
         except (OSError, ValueError) as exc:
