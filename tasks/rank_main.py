@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run_body(spec["stage"], cfg, inputs, work, logger)
         ds.barrier()
     except BaseException as e:  # recorded for the supervisor's message, then raised as usual
+        from trainer.errors import InputError
+
+        if isinstance(e, InputError):  # the user's to fix: the stage fails with this message alone
+            launch.rank_status_path(work, local_rank, "input").write_text(str(e))
         status.write_text(f"{type(e).__name__}: {e}")
         raise
     launch.rank_status_path(work, local_rank, "ok").touch()

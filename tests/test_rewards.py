@@ -116,7 +116,7 @@ def test_a_reward_that_raises_is_noted_with_its_sample_and_logged_once(caplog):
     assert mix.score(["#### 12"], [EX])[0] == [2.0] and mix.raised == {}  # per call
 
 
-def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys):
+def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys, caplog):
     """Through the CLI: exit 2 naming the reward, its error and the example (was the user's
     traceback and exit 1); with grpo.on_bad_reward=skip the round drops those samples and goes on.
     A reward that cannot take (response, example) stops the run before any stage."""
@@ -130,6 +130,13 @@ def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, 
     assert ("grpo.rewards: reward 'tests.test_rewards:string_reward_that_raises' raised TypeError: can only "
             "concatenate str") in err and "on example 'syn-" in err and "grpo.on_bad_reward=skip" in err, err[-3000:]
     assert "Traceback" not in err.split("posttrain: grpo.rewards")[-1]
+    # on two DeepSpeed ranks the same words (it was exit 1, the launcher's failure and both ranks' tracebacks)
+    assert main(["grpo", *small, *raising, "--set", "grpo.deepspeed.ranks_per_node=2"]) == 2
+    two = capsys.readouterr().err
+    said = two.split("posttrain: ")[-1]
+    assert said.startswith("grpo.rewards: reward 'tests.test_rewards:string_reward_that_raises' raised TypeError: "
+                           "can only concatenate str") and "grpo.on_bad_reward=skip" in said, two[-3000:]
+    assert "the launcher exited with code 1: local rank" in caplog.text  # the ranks' story, in the log
     assert main(["grpo", *small, *raising, "--set", "grpo.on_bad_reward=skip"]) == 0
     # every sample dropped: the summary says the round did not update the policy
     assert "grpo: 1 of 1 rounds did not update the policy: no sample was left" in " ".join(

@@ -6,7 +6,8 @@ starts `python -m trainer.local_launch --nprocs N ... -- python -m tasks.rank_ma
 tasks.rank_main --spec <file>` (several machines) in a process group of its own. The supervisor
 streams the launcher's output line by line into the run's log, kills the whole group on timeout,
 cancellation or any error in the caller (SIGTERM, then SIGKILL after a grace period), and turns a
-rank's crash into `LaunchError` naming the failed rank and its last lines. Rank 0 writes
+rank's crash into `LaunchError` naming the failed rank and its last lines (where the first rank to
+fail raised the user's error, an InputError, that error's message alone, as on one rank). Rank 0 writes
 `launch_result.json`; only a run that exits 0 with that file is a success.
 
 `plan()` is also what `posttrain ... --dry-run` prints: the exact command lines, without running.
@@ -157,6 +158,19 @@ class _RankWatch:
         at = self.dead_at.get(local_rank)
         return at is not None and (self.cleanup_at is None or at < self.cleanup_at)
 
+    def input_error(self) -> str | None:
+        """The message of the user's error (an InputError: a reward that raised, a bad row) where the
+        first rank to fail raised one; the others then fail on the collective it left."""
+        failed = [(err.stat().st_mtime, local_rank) for local_rank in self.pids
+                  if not rank_status_path(self.work_dir, local_rank, "ok").exists()
+                  and (err := rank_status_path(self.work_dir, local_rank, "error")).exists()]
+        killed_first = any(self._first(r) for r in self.pids if r not in {lr for _, lr in failed}
+                           and not rank_status_path(self.work_dir, r, "ok").exists())
+        if not failed or killed_first:
+            return None
+        note = rank_status_path(self.work_dir, min(failed)[1], "input")
+        return note.read_text() if note.exists() else None
+
     def describe(self, lines: list[str]) -> str:
         codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.search(line))]
         code = codes[-1] if codes else None
@@ -232,8 +246,13 @@ def supervise(launch: LaunchPlan, work_dir: str | Path, on_line: Callable[[str],
             Path(launch.env[RENDEZVOUS]).unlink(missing_ok=True)
     lines = list(tail)
     if proc.returncode != 0:
-        raise LaunchError(f"{launch.stage}: the launcher exited with code {proc.returncode}: "
-                          f"{watch.describe(lines)}. Last lines:\n" + "\n".join(lines[-30:]))
+        failure = (f"{launch.stage}: the launcher exited with code {proc.returncode}: {watch.describe(lines)}. "
+                   "Last lines:\n" + "\n".join(lines[-30:]))
+        user = watch.input_error()
+        if user is not None:  # as the stage on one rank says it: the ranks' story is in the log
+            on_line(failure)
+            raise InputError(user)
+        raise LaunchError(failure)
     if not result_path.is_file():
         raise LaunchError(f"{launch.stage}: the ranks exited 0 but rank 0 wrote no {RESULT}. Last lines:\n"
                           + "\n".join(lines[-30:]))
