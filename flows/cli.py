@@ -6,6 +6,7 @@
     posttrain config --preset qwen2.5-0.5b-gsm8k      # print the resolved config
     posttrain speedrun --preset qwen2.5-0.5b-gsm8k --dry-run   # check paths, print the launch plan
     posttrain compare                                 # latest nightly vs the best earlier nightly
+    posttrain compare --run RUN --baseline OTHER      # any two runs: metrics, and held-out answers paired
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "speedrun":
             sp.add_argument("--nightly", action="store_true",
                             help="tag the run as a nightly and compare it with the best earlier nightly")
-    cp = sub.add_parser("compare", help="a run (default: the latest nightly) vs the best earlier nightly")
+    cp = sub.add_parser("compare", help="a run (default: the latest nightly) vs another (default: the best earlier "
+                                        "nightly), held-out answers paired")
     cp.add_argument("--run", dest="run_id", help="MLflow run id of a speedrun (default: the latest nightly)")
+    cp.add_argument("--baseline", dest="baseline_id",
+                    help="MLflow run id of the run to compare with (default: the best earlier nightly)")
     cp.add_argument("--experiment", default="posttrain", help="MLflow experiment (default: posttrain)")
     return p
 
@@ -155,7 +159,7 @@ def compare(args) -> int:
 
     client = MlflowClient(tracking_uri=tracking_uri())
     try:
-        print(compare_runs(client, args.experiment, args.run_id).text())
+        print(compare_runs(client, args.experiment, args.run_id, args.baseline_id).text())
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import base64
 import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tasks import lease
@@ -222,6 +223,8 @@ class Comparison:
     run: Any
     baseline: Any | None
     rows: list[tuple[str, float | None, float | None]]
+    chosen: bool = False  # the baseline was named (--baseline), not the best earlier nightly
+    paired: str | None = None  # the final policies' held-out answers, problem by problem
 
     def text(self) -> str:
         r = self.run
@@ -232,13 +235,17 @@ class Comparison:
             lines.append("baseline  none: no earlier finished nightly run to compare with")
         else:
             b = self.baseline
-            lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  (best earlier nightly by final_accuracy; "
-                         f"starts from {_start_policy(b)})")
+            why = "named by --baseline" if self.chosen else "best earlier nightly by final_accuracy"
+            lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  ({why}; starts from {_start_policy(b)})")
+            if b.info.status != "FINISHED":
+                lines[-1] += f"  [{b.info.status}]"
         lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
         for name, mine, base in self.rows:
             delta = mine - base if mine is not None and base is not None else None
             pct = "accuracy" in name
             lines.append(f"{name:<22}{_fmt(mine, pct):>12}{_fmt(base, pct):>12}{_fmt(delta, pct, sign=True):>12}")
+        if self.paired:
+            lines.append(self.paired)
         return "\n".join(lines)
 
     def deltas(self) -> dict[str, float]:
@@ -264,8 +271,9 @@ def nightly_runs(client, experiment_id: str) -> list[Any]:
         order_by=["attributes.start_time DESC"], max_results=500)
 
 
-def compare(client, experiment: str, run_id: str | None = None) -> Comparison:
-    """`run_id` (default: the latest finished nightly) against the best earlier finished nightly."""
+def compare(client, experiment: str, run_id: str | None = None, baseline_id: str | None = None) -> Comparison:
+    """`run_id` (default: the latest finished nightly) against `baseline_id` (any pipeline run), by
+    default the best earlier finished nightly; with the final policies' held-out answers paired."""
     from trainer.errors import InputError
 
     exp = client.get_experiment_by_name(experiment)
@@ -278,15 +286,79 @@ def compare(client, experiment: str, run_id: str | None = None) -> Comparison:
                              "deployment (or `posttrain speedrun --nightly`) first, or pass --run RUN_ID")
         run = nightlies[0]
     else:
-        try:
-            run = client.get_run(run_id)
-        except Exception:
-            raise InputError(f"--run {run_id}: no such MLflow run in {client.tracking_uri}") from None
-        parent = run.data.tags.get("mlflow.parentRunId")
-        if parent and run.data.tags.get("posttrain.stage"):  # a stage's run: its pipeline's holds the headline
-            run = client.get_run(parent)
-    earlier = [r for r in nightlies if r.info.start_time < run.info.start_time and r.info.run_id != run.info.run_id
-               and "final_accuracy" in r.data.metrics]
-    baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)
+        run = _pipeline_run(client, run_id, "--run")
+    if baseline_id is not None:
+        baseline = _pipeline_run(client, baseline_id, "--baseline")
+        if baseline.info.run_id == run.info.run_id:
+            raise InputError(f"--baseline {baseline_id}: that is the compared run itself; name another run")
+    else:
+        earlier = [r for r in nightlies if r.info.start_time < run.info.start_time
+                   and r.info.run_id != run.info.run_id and "final_accuracy" in r.data.metrics]
+        baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)
     rows = [(m, run.data.metrics.get(m), baseline.data.metrics.get(m) if baseline else None) for m in COMPARED]
-    return Comparison(run, baseline, rows)
+    paired = paired_text(final_answers(client, run), final_answers(client, baseline)) if baseline else None
+    return Comparison(run, baseline, rows, chosen=baseline_id is not None, paired=paired)
+
+
+def _pipeline_run(client, run_id: str, flag: str):
+    """A run by id; a stage's run (what MLflow lists under a pipeline run) stands for its pipeline's,
+    which holds the headline."""
+    from trainer.errors import InputError
+
+    try:
+        run = client.get_run(run_id)
+    except Exception:
+        raise InputError(f"{flag} {run_id}: no such MLflow run in {client.tracking_uri}") from None
+    parent = run.data.tags.get("mlflow.parentRunId")
+    if parent and run.data.tags.get("posttrain.stage"):
+        run = client.get_run(parent)
+    return run
+
+
+def final_answers(client, run) -> list[dict] | None:
+    """The held-out rows (id, question, correct, ...) of a pipeline run's final policy: its eval of
+    GRPO, else of SFT or the starting policy, as the eval stage logged them (a cache hit's, from the
+    run that computed it); None where the run has none (it stopped before, or holds no eval)."""
+    import json
+    import os
+    import tempfile
+    from unittest import mock
+
+    evals = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}' "
+                               "and tags.`posttrain.stage` = 'eval'")
+    by_stage: dict[str, str] = {}
+    quiet = mock.patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})  # no bar per file
+    with tempfile.TemporaryDirectory() as tmp, quiet:
+        def artifact(run_id: str, name: str) -> Any:
+            try:
+                return json.loads(Path(client.download_artifacts(run_id, name, tmp)).read_text())
+            except Exception:  # not logged (an older or failed run), or the artifact store is out of reach
+                return None
+
+        for child in evals:
+            source = child.data.tags.get("source_run_id", child.info.run_id)
+            manifest = artifact(source, "manifest.json") or {}
+            by_stage.setdefault(manifest.get("evaluated_stage"), source)
+        final = next((by_stage[s] for s in ("grpo", "sft", "start") if s in by_stage), None)
+        table = artifact(final, "eval_results.json") if final else None
+    if not table or "id" not in table.get("columns", ()):
+        return None
+    return [dict(zip(table["columns"], row)) for row in table["data"]]
+
+
+def paired_text(mine: list[dict] | None, base: list[dict] | None) -> str:
+    """The two final policies on the held-out problems both answered (same id, same question): how many
+    the run gets right that the baseline got wrong (fixed), the reverse (broke), McNemar's z."""
+    if mine is None or base is None:
+        return "held-out, problem by problem: not available (a run has no final eval table in MLflow)"
+    theirs = {(r["id"], r["question"]): bool(r["correct"]) for r in base}
+    pairs = [(bool(r["correct"]), theirs[(r["id"], r["question"])]) for r in mine if (r["id"], r["question"]) in theirs]
+    if not pairs:
+        return ("held-out, problem by problem: no problem in common (different held-out sets: other data or "
+                "settings), no paired test")
+    fixed = sum(1 for a, b in pairs if a and not b)
+    broke = sum(1 for a, b in pairs if b and not a)
+    z = (fixed - broke) / math.sqrt(fixed + broke) if fixed + broke else 0.0
+    common = "" if len(pairs) == len(mine) == len(base) else f" (of {len(mine)} and {len(base)})"
+    return (f"held-out, problem by problem: run fixed {fixed}, broke {broke} of the baseline's answers on "
+            f"{len(pairs)} common problems{common}, McNemar z = {z:.2f}")

@@ -79,6 +79,69 @@ def test_compare_errors_name_the_fix(capsys):
     assert "--run" in capsys.readouterr().err
 
 
+def test_compare_pairs_the_final_policies_held_out_answers(nightlies, capsys):
+    """Beside the metrics, the two runs' final policies problem by problem on the held-out set: the
+    nightly's comparison and `compare` say how many the run fixed and broke against the baseline and
+    McNemar's z, counted from the eval tables in MLflow; `--baseline` names any run (here the later
+    nightly, so the counts swap); a fully cached rerun's eval comes from the run that computed it."""
+    from flows.cli import main
+    from flows.speedrun import speedrun
+    from tasks.eval import load_results
+
+    first, second = nightlies
+
+    def final(result):
+        [evaluation] = [s for s in result["stages"] if s["label"] == "eval (grpo)"]
+        return {r["id"]: r["correct"] for r in load_results(evaluation)}
+
+    a, b = final(second), final(first)
+    assert a.keys() == b.keys()
+    fixed, broke = sum(a[k] and not b[k] for k in a), sum(b[k] and not a[k] for k in a)
+    z = (fixed - broke) / (fixed + broke) ** 0.5 if fixed + broke else 0.0
+    line = f"held-out, problem by problem: run fixed {fixed}, broke {broke} of the baseline's answers on {len(a)} " \
+           f"common problems, McNemar z = {z:.2f}"
+    assert second["comparison"].endswith(line)
+    capsys.readouterr()
+    assert main(["compare", "--experiment", EXPERIMENT]) == 0
+    assert capsys.readouterr().out.endswith(line + "\n")
+    assert main(["compare", "--experiment", EXPERIMENT, "--run", first["mlflow_run_id"],
+                 "--baseline", second["mlflow_run_id"]]) == 0
+    out = capsys.readouterr().out
+    assert f"baseline  {second['mlflow_run_id']}" in out and "(named by --baseline; starts from sft)" in out
+    assert out.endswith(f"run fixed {broke}, broke {fixed} of the baseline's answers on {len(a)} common problems, "
+                        f"McNemar z = {-z + 0.0:.2f}\n")
+    root = first["stages"][0]["uri"].rsplit("/prepare_data/", 1)[0]
+    again = speedrun(preset="tiny", overrides=SMALL + [f"artifact_root={root}", f"tracking.experiment={EXPERIMENT}",
+                                                      f"tracking.registered_model={MODEL}", "control.enabled=true"])
+    assert all(s["cache_hit"] for s in again["stages"])
+    capsys.readouterr()
+    assert main(["compare", "--experiment", EXPERIMENT, "--run", again["mlflow_run_id"],
+                 "--baseline", first["mlflow_run_id"]]) == 0
+    assert capsys.readouterr().out.endswith(f"run fixed 0, broke 0 of the baseline's answers on {len(a)} common "
+                                            "problems, McNemar z = 0.00\n")
+    assert main(["compare", "--experiment", EXPERIMENT, "--run", first["mlflow_run_id"],
+                 "--baseline", first["mlflow_run_id"]]) == 2
+    assert "--baseline" in capsys.readouterr().err
+    assert main(["compare", "--experiment", EXPERIMENT, "--baseline", "0" * 32]) == 2
+    assert f"--baseline {'0' * 32}: no such MLflow run" in capsys.readouterr().err
+
+
+def test_paired_answers_only_on_the_same_problems():
+    """Problems pair by id and question: a run on other data has none in common, and says so."""
+    from tasks.report import paired_text
+
+    def rows(*cells):
+        return [{"id": i, "question": q, "correct": c} for i, q, c in cells]
+
+    mine = rows(("a", "1+1?", True), ("b", "2+2?", True), ("c", "3+3?", False))
+    assert paired_text(mine, rows(("a", "1+1?", False), ("b", "2+2?", True), ("c", "3+3?", True))) == (
+        "held-out, problem by problem: run fixed 1, broke 1 of the baseline's answers on 3 common problems, "
+        "McNemar z = 0.00")
+    assert "on 2 common problems (of 3 and 2)" in paired_text(mine, rows(("a", "1+1?", False), ("b", "2+2?", True)))
+    assert "no problem in common" in paired_text(mine, rows(("a", "5+5?", True)))  # same id, another problem
+    assert "not available" in paired_text(mine, None)
+
+
 def test_final_policy_registered_with_lineage(nightlies):
     from mlflow import MlflowClient
 
