@@ -269,3 +269,47 @@ def test_a_hub_model_this_machine_cannot_fetch_is_named_with_the_way_round(monke
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert f"model.pretrained: {name} comes from this machine's hub cache ({snapshot})" in caplog.text
     assert "Retrying" not in caplog.text, "the hub client was left to retry"
+
+
+def test_what_the_hub_answers_for_a_model_is_named(monkeypatch):
+    """The hub's answers for a model's config.json, as the hub client reads them (a local server
+    answers as the hub does, with its error headers): gated, unknown, not a transformers model are
+    named; a busy hub (503) is left to the hub client's own retries; an answer is no problem."""
+    import http.server
+    import threading
+
+    import huggingface_hub.constants
+
+    from trainer.model import hub_problem
+
+    answers = {"gated": (401, "GatedRepo"), "missing": (401, "RepoNotFound"), "no-config": (404, "EntryNotFound"),
+               "busy": (503, None), "fine": (200, None)}
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # /posttrain-tests/<name>/resolve/main/config.json
+            status, code = answers[self.path.split("/")[2]]
+            self.send_response(status)
+            if code:
+                self.send_header("X-Error-Code", code)
+            if status == 200:
+                self.send_header("ETag", '"abc"')
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("Content-Length", "2")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hub = f"http://127.0.0.1:{server.server_address[1]}"
+    for const, value in (("ENDPOINT", hub), ("HUGGINGFACE_CO_URL_TEMPLATE", hub + "/{repo_id}/resolve/{revision}/{filename}")):
+        monkeypatch.setattr(huggingface_hub.constants, const, value)
+    try:
+        said = {name: hub_problem(f"posttrain-tests/{name}") for name in answers}
+    finally:
+        server.shutdown()
+    assert said["gated"].startswith("the hub holds it gated: accept its terms")
+    assert said["missing"].startswith("the hub has no model of that name (or it is private")
+    assert said["no-config"] == "its hub repository has no config.json: it is not a transformers model"
+    assert said["busy"] is None and said["fine"] is None

@@ -85,9 +85,9 @@ def _from_hub(ref: str, field: str) -> str:
 
 def hub_problem(ref: str) -> str | None:
     """Why the hub cannot serve model `ref` to this machine, asked once (a fraction of a second, no
-    retries), or None."""
+    retries), or None (it can, or it answered busy)."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
@@ -100,7 +100,9 @@ def hub_problem(ref: str) -> str | None:
         return "the hub has no model of that name (or it is private: log in with `hf auth login` or set HF_TOKEN)"
     except EntryNotFoundError:
         return "its hub repository has no config.json: it is not a transformers model"
-    except Exception as exc:  # the network: DNS, refused, timed out, a proxy's error
+    except HfHubHTTPError:  # the hub answered, busy (429, 5xx): the hub client's own retries may see it through
+        return None
+    except Exception as exc:  # the network: DNS, refused, timed out
         return f"the hub cannot be reached from here ({type(exc).__name__}: {exc})"
     return None
 
