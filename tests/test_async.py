@@ -5,6 +5,7 @@ number, so that an async run is reproducible and resumes exactly."""
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +123,10 @@ def test_the_rollout_process_stops_when_the_trainer_is_killed(tiny_tokenizer, tm
     proc.start()
     worker = parent_conn.recv()
     assert not process_gone(worker)
+    # the two talk through pipes: no named semaphore in /dev/shm, which a SIGKILL of them both (a
+    # process group's) would leave behind with Python's resource tracker, the one that removes them
+    for pid in (proc.pid, worker):
+        assert "/dev/shm/sem." not in Path(f"/proc/{pid}/maps").read_text(), pid
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
     deadline = time.monotonic() + 5

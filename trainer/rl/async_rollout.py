@@ -170,6 +170,58 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return plain_state(module)
 
 
+class _Channel:
+    """One way between the trainer and its rollout process, one writer and one reader: a pipe whose
+    `put` never blocks (a feeder thread writes, as mp.Queue's does) and whose `get` takes a timeout.
+    Not mp.Queue: each holds three named semaphores in /dev/shm that only Python's resource tracker
+    removes, so a SIGKILL of the whole process group (the tracker with it) left them there for good."""
+
+    _CLOSE = object()
+
+    def __init__(self, ctx) -> None:
+        self.reader, self.writer = ctx.Pipe(duplex=False)
+        self._start()
+
+    def _start(self) -> None:
+        self._pending: queue.Queue = queue.Queue()
+        self._feeder: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # to the spawned process: the pipe's ends alone
+        return {"reader": self.reader, "writer": self.writer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.reader, self.writer = state["reader"], state["writer"]
+        self._start()
+
+    def put(self, obj: Any) -> None:
+        if self._feeder is None:
+            self._feeder = threading.Thread(target=self._feed, daemon=True, name="rollout-channel-feeder")
+            self._feeder.start()
+        self._pending.put(obj)
+
+    def _feed(self) -> None:
+        while (obj := self._pending.get()) is not self._CLOSE:
+            try:
+                self.writer.send(obj)  # pickled here, tensors by shared memory (torch's reductions)
+            except (OSError, ValueError):  # the reader is gone, or the channel closed
+                return
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next object; queue.Empty after `timeout` seconds without one, EOFError or OSError once
+        the writer is gone."""
+        if not self.reader.poll(timeout):
+            raise queue.Empty
+        return self.reader.recv()
+
+    def close(self, flush_s: float = 0.0) -> None:
+        """Stop the feeder after what was put (waiting up to `flush_s` for it to be written), then close."""
+        if self._feeder is not None:
+            self._pending.put(self._CLOSE)
+            self._feeder.join(flush_s)
+        for end in (self.reader, self.writer):
+            end.close()
+
+
 def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(POLL_S)
@@ -198,12 +250,14 @@ def _serve(spec: dict[str, Any], inbox, outbox) -> None:
                                  HFEngine(model, spec["tok"], spec["rollout"].batch_size), None, spec["seed"])
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         outbox.put(("fatal", None, "the rollout process could not start:\n" + traceback.format_exc()))
+        outbox.close(flush_s=30.0)
         return
     outbox.put(("ready", None, os.getpid()))
     version = None
     while True:
         msg = inbox.get()
         if msg[0] == "stop":
+            outbox.close(flush_s=30.0)
             return
         if msg[0] == "weights":
             version = msg[1]
@@ -228,7 +282,7 @@ class ProcessProducer(_Producer):
         from trainer.lora import inner
 
         ctx = mp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.inbox, self.outbox = _Channel(ctx), _Channel(ctx)
         param = next(module.parameters())
         spec = {"rollout": cfg.rollout, "examples": examples, "tok": tok, "model_config": inner(module).config,
                 "dtype": param.dtype, "device": str(param.device), "seed": seed, "parent": os.getpid(),
@@ -285,10 +339,8 @@ class ProcessProducer(_Producer):
         self.inbox.put(("generate", r, version, indices, too_long))
 
     def _stop(self) -> None:
-        try:
-            self.inbox.put(("stop",))
-        except (ValueError, OSError):
-            pass
+        self.inbox.put(("stop",))
+        self.inbox.close(flush_s=5.0)
         self.proc.join(5.0)
         if self.proc.is_alive():
             self.proc.kill()
@@ -297,9 +349,7 @@ class ProcessProducer(_Producer):
     def close(self) -> None:
         super().close()
         self._stop()
-        for q in (self.inbox, self.outbox):
-            q.cancel_join_thread()
-            q.close()
+        self.outbox.close()
 
 
 # ---------------------------------------------------------------- servers (SGLang): a thread
