@@ -39,6 +39,29 @@ def test_unknown_key_is_rejected_with_its_path():
     assert "sft.learning_rate: unknown key" in str(exc.value)
 
 
+@pytest.mark.parametrize("override, said", [
+    ("model.lora={r: 8}", "model.lora.r: unknown key; did you mean model.lora.rank?"),  # peft's name
+    ("grpo.learning_rate=1e-5", "grpo.learning_rate: unknown key; did you mean grpo.lr?"),  # TRL's
+    ("grpo.beta=0.04", "grpo.beta: unknown key; did you mean grpo.kl_coef?"),
+    ("grpo.num_generations=4", "grpo.num_generations: unknown key; did you mean rollout.n_samples_per_prompt?"),
+    ("eval.max_completion_length=9", "eval.max_completion_length: unknown key; did you mean eval.max_new_tokens?"),
+    ("grpo.max_completion_length=9", "grpo.max_completion_length: unknown key; did you mean "
+                                     "rollout.max_response_tokens?"),
+    ("sft.bf16=true", "sft.bf16: unknown key; did you mean sft.deepspeed.precision?"),
+    ("data.synthetic.n_trian=4", "data.synthetic.n_trian: unknown key; did you mean data.synthetic.n_train?"),
+    ("rollout.sglang.mem_frac=0.3", "rollout.sglang.mem_frac: unknown key; did you mean "
+                                    "rollout.sglang.mem_fraction_static?"),
+    ("grpo.rewards=[{name: math, weigth: 2}]", "grpo.rewards.0.weigth: unknown key; did you mean grpo.rewards.0.weight?"),
+    ("sft.beta=0.1", "sft.beta: unknown key; remove it or check its spelling"),  # sft has no KL term
+    ("nonsense=1", "nonsense: unknown key; remove it or check its spelling"),
+])
+def test_an_unknown_key_names_the_setting_it_likely_meant(override, said):
+    """Another tool's name for a setting (TRL's, peft's) or a near spelling of a key of its section."""
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny", [override])
+    assert f"  - {said}" in str(exc.value).splitlines()
+
+
 def test_all_errors_listed_at_once():
     with pytest.raises(ConfigError) as exc:
         load_config("tiny", ["sft.lr=0", "eval.batch_size=0", "modle.x=1"])

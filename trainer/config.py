@@ -618,13 +618,73 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
+# what TRL, peft and transformers call settings posttrain names otherwise, the first that applies:
+# "rank" a key of the same section, ".deepspeed.precision" one inside it, "rollout.top_p" from the top
+PEER_NAMES = {
+    "r": ("rank",), "lora_r": ("rank",), "lora_alpha": ("alpha",), "lora_dropout": ("dropout",),
+    "learning_rate": ("lr",), "beta": ("kl_coef",), "max_grad_norm": ("grad_clip",),
+    "num_train_epochs": ("epochs",), "num_iterations": ("epochs",), "gradient_accumulation_steps": ("grad_accum",),
+    "per_device_train_batch_size": ("micro_batch_size",), "loss_type": ("loss_agg",), "epsilon": ("clip_low",),
+    "epsilon_high": ("clip_high",), "max_seq_length": ("max_length",),
+    "num_generations": ("rollout.n_samples_per_prompt",),
+    "max_completion_length": ("max_new_tokens", "rollout.max_response_tokens"),
+    "max_new_tokens": ("rollout.max_response_tokens",), "max_prompt_length": ("rollout.max_prompt_tokens",),
+    "temperature": ("rollout.temperature",), "top_p": ("rollout.top_p",),
+    "bf16": (".deepspeed.precision",), "fp16": (".deepspeed.precision",),
+}
+
+
+def _meant(loc: tuple) -> str | None:
+    """The setting an unknown key at `loc` most likely meant: a peer tool's name for it (TRL's
+    `learning_rate`, peft's `r`) or a near spelling of a key of the same section, as a full dotted path."""
+    import difflib
+
+    section: Any = RunConfig
+    for part in loc[:-1]:  # down to the section that holds the unknown key (list items keep their type)
+        if isinstance(part, int):
+            continue
+        field = section.model_fields.get(part) if isinstance(section, type) and issubclass(section, BaseModel) else None
+        if field is None:
+            return None
+        models = [a for a in _flat_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not models:
+            return None
+        section = models[0]
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    key, keys = str(loc[-1]), list(section.model_fields)
+    for peer in PEER_NAMES.get(key, ()):
+        if peer.startswith("."):
+            if peer[1:].split(".")[0] in keys:
+                return prefix + peer[1:]
+        elif "." in peer:
+            return peer
+        elif peer in keys:
+            return prefix + peer
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if not near:  # a shortening of one key alone (mem_frac: mem_fraction_static)
+        near = [k for k in keys if len(key) >= 3 and key in k]
+    return prefix + near[0] if len(near) == 1 else None
+
+
+def _flat_args(annotation: Any) -> list[Any]:
+    """A field's types with Optional, unions and lists unwrapped."""
+    import typing
+
+    args = typing.get_args(annotation)
+    if not args:
+        return [annotation]
+    return [t for a in args for t in _flat_args(a)]
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: {exc.error_count()} invalid setting(s):"]
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         value = err.get("input")
         if err["type"] == "extra_forbidden":
-            lines.append(f"  - {field}: unknown key; remove it or check its spelling")
+            hint = _meant(err["loc"])
+            lines.append(f"  - {field}: unknown key; " + (f"did you mean {hint}?" if hint else
+                                                           "remove it or check its spelling"))
         else:
             msg = err["msg"].removeprefix("Value error, ")
             # a section's (or the whole config's) own check: its message names the fields, and the
