@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -43,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         if name != "config":
             sp.add_argument("--recompute", action="append", default=[], choices=kinds, metavar="STAGE",
                             help=f"recompute STAGE and every stage that reads from it despite the cache; one of {kinds}")
-            sp.add_argument("--json", dest="json_out", metavar="PATH", help="also write the run's result as JSON")
+            sp.add_argument("--json", dest="json_out", metavar="PATH",
+                            help="also write the run's result as JSON (-: to standard output, the summary then "
+                                 "to standard error)")
             sp.add_argument("--dry-run", action="store_true",
                             help="resolve the config, check its paths and print the launch plan; run nothing")
         if name == "speedrun":
@@ -58,13 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) -> None:
+def print_summary(result: dict, seconds: float, temporary_prefect: bool = True, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from tasks.tracking import tracking_uri
 
-    console = Console()
+    console = Console(stderr=stderr)
     table = Table(title="posttrain summary")
     for col in ("stage", "status", "wall s", "key metric"):
         table.add_column(col)
@@ -209,11 +212,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if problems else 0
     try:
         stages.check_cpu_servers(cfg, stages.until_for(args.command))
-        if args.json_out:
+        if args.json_out and args.json_out != "-":
             _check_json_out(args.json_out)
     except ConfigError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
+    to_stdout = args.json_out == "-"
+    with _stdout_to_stderr(to_stdout):
+        result = _run(args, to_stdout)
+    if result is None:
+        return 2
+    if to_stdout:  # the result alone on standard output, for a pipe (`| jq .headline`)
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        sys.stdout.flush()
+    gc.freeze()  # nothing left needs collecting: saves ~1 s of garbage collection at interpreter exit
+    return 0
+
+
+def _run(args, to_stdout: bool) -> dict | None:
+    """The command's flow on its Prefect server, its --json file and summary: the result, or None
+    after printing the user's error."""
     from flows import prefect_server
 
     t0 = time.perf_counter()
@@ -231,14 +249,33 @@ def main(argv: list[str] | None = None) -> int:
         result = flow_for(args.command)(preset=args.preset, overrides=args.overrides, recompute=args.recompute, **kwargs)
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
-        return 2
-    if args.json_out:  # whole or not at all
+        return None
+    if args.json_out and not to_stdout:  # whole or not at all
         part = Path(args.json_out).with_name(f".{Path(args.json_out).name}.{os.getpid()}.part")
         part.write_text(json.dumps(result, indent=2))
         part.replace(args.json_out)
-    print_summary(result, time.perf_counter() - t0, temporary_prefect=server is not None)
-    gc.freeze()  # nothing left needs collecting: saves ~1 s of garbage collection at interpreter exit
-    return 0
+    print_summary(result, time.perf_counter() - t0, temporary_prefect=server is not None, stderr=to_stdout)
+    return result
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """With `--json -` standard output holds the result alone: while the run runs, all it prints
+    (posttrain's progress, DeepSpeed's notices, the ranks' output) goes to standard error, by file
+    descriptor and in Python."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 if __name__ == "__main__":

@@ -263,3 +263,20 @@ def test_the_summary_says_how_to_open_this_run_from_wherever_it_ran(tmp_path, mo
     with temporary_settings(updates={PREFECT_API_URL: "http://team.example:4200/api"}):
         assert where_to_look("f-1", temporary_prefect=False)[1:] == [
             "Prefect:           http://team.example:4200/runs/flow-run/f-1"]
+
+
+def test_json_to_standard_output_holds_the_result_alone(tmp_path, migrated_stores):
+    """`--json -`: standard output is the result's JSON and nothing else (for `| jq`), though the run
+    prints progress bars and DeepSpeed its notices there; the summary goes to standard error."""
+    cmd, env, _ = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")}, migrated_stores)
+    cmd[cmd.index("--json") + 1] = "-"
+    cmd[cmd.index("prepare-data")] = "sft"
+    cmd += ["--set", "sft.max_steps=2", "--set", "model.hidden_size=32", "--set", "model.num_layers=1",
+            "--set", "model.intermediate_size=64", "--set", "sft.micro_batch_size=8"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert [s["stage"] for s in result["stages"]] == ["prepare_data", "tokenizer", "sft"]
+    assert "posttrain summary" in proc.stderr and "Setting accelerator to CPU" in proc.stderr
+    assert "sft ━" in proc.stderr  # the progress bar, written to standard output's descriptor during the run
+    assert not (ROOT / "-").exists() and not (tmp_path / "-").exists()
