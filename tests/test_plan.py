@@ -136,3 +136,23 @@ def test_sglang_cpu_servers_that_cannot_start_stop_the_run_before_any_stage(tmp_
     overrides = [c for c in cpu if c != "--set"]
     stages.check_cpu_servers(load_config("tiny", overrides + ["eval.engine=hf"]), "eval (sft)")  # HF answers it
     stages.check_cpu_servers(load_config("tiny", overrides + [f"rollout.sglang.env={{PYTHONPATH: {standin}}}"]), None)
+
+
+def test_gpu_servers_on_a_machine_without_cuda_are_named(tmp_path, capsys):
+    """rollout.engine=sglang as shipped (GPU servers) where there is no CUDA device: the stage that
+    would launch them fails saying so and how to run here (it said no CUDA SGLang environment was
+    built, and `make sglang-env` builds the CPU one on such a machine); the dry run notes it."""
+    from trainer.config import SGLangConfig
+    from trainer.inference.sglang import check_server_python, has_cuda_device
+
+    if has_cuda_device():
+        pytest.skip("this machine has a CUDA device: GPU servers can start here")
+    no_cuda = "rollout.sglang.device=cuda: this machine has no CUDA device (torch sees none, and there is no nvidia-smi)"
+    assert check_server_python(SGLangConfig()).startswith(no_cuda)
+    small = ["--set", f"artifact_root={tmp_path / 'art'}", "--set", "sft.max_steps=3", "--set",
+             "data.synthetic.n_train=200", "--set", "rollout.engine=sglang"]
+    assert main(["eval", *small]) == 2
+    err = capsys.readouterr().err
+    assert f"posttrain: {no_cuda}; run the servers in CPU mode with rollout.sglang.device=cpu" in err, err[-2000:]
+    code, out = dry(tmp_path, capsys)
+    assert f"note: {no_cuda}" in out and code == 0

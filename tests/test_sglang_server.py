@@ -739,10 +739,10 @@ def test_a_server_killed_mid_round_fails_the_round_quickly(servers, base_model, 
 
 def test_launch_problems_are_named_before_anything_starts(tiny_tokenizer, tmp_path):
     with pytest.raises(SGLangError, match=r"rollout.sglang.python: '/no/python' does not exist"):
-        SGLangEngine.from_config(SGLangConfig(python="/no/python"), str(tmp_path), tiny_tokenizer)
+        SGLangEngine.from_config(SGLangConfig(device="cpu", python="/no/python"), str(tmp_path), tiny_tokenizer)
     # an interpreter without sglang (this one's); the built CPU environment without sgl_kernel's CPU
     # kernels, which have no build on the registry (the tests put the stand-in on the servers' path)
-    assert check_server_python(SGLangConfig(python=sys.executable)) == (
+    assert check_server_python(SGLangConfig(device="cpu", python=sys.executable)) == (
         f"rollout.sglang.python: {sys.executable} cannot import sglang; point it at an interpreter that has sglang")
     problem = check_server_python(SGLangConfig(device="cpu"))
     assert problem.startswith("rollout.sglang.device=cpu: SGLang's CPU mode imports compiled CPU kernels from "

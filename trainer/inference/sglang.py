@@ -82,11 +82,25 @@ def server_python(cfg: SGLangConfig) -> str:
     return cfg.python or str(env_dir(cfg.device) / "bin" / "python")
 
 
+def has_cuda_device() -> bool:
+    """A CUDA device this machine's processes can use: torch sees one, or the NVIDIA driver's tool is
+    here (posttrain's own torch may be a CPU build where the servers' is not)."""
+    import shutil
+
+    import torch
+
+    return torch.cuda.is_available() or shutil.which("nvidia-smi") is not None
+
+
 def check_server_python(cfg: SGLangConfig) -> str | None:
     """None if launched servers can start from `server_python(cfg)`, else what is wrong and the fix:
-    the interpreter exists and finds sglang and, in CPU mode, `sgl_kernel` (SGLang's CPU mode imports
+    GPU servers need a CUDA device; the interpreter exists and finds sglang and, in CPU mode, `sgl_kernel` (SGLang's CPU mode imports
     compiled CPU kernels from it at start), with rollout.sglang.env's PYTHONPATH."""
     flag = "" if cfg.device == "cuda" else " SGLANG_DEVICE=cpu"  # `make sglang-env`'s
+    if cfg.device == "cuda" and not has_cuda_device():
+        return ("rollout.sglang.device=cuda: this machine has no CUDA device (torch sees none, and there is no "
+                "nvidia-smi); run the servers in CPU mode with rollout.sglang.device=cpu, rollouts in process with "
+                "rollout.engine=hf, or give rollout.sglang.urls of servers running elsewhere")
     if cfg.python:
         if not Path(cfg.python).is_file():
             return f"rollout.sglang.python: {cfg.python!r} does not exist; point it at an interpreter that has sglang"
