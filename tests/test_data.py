@@ -317,3 +317,28 @@ def test_calculator_annotations_can_be_stripped():
     assert not any("<<" in ex["messages"][-1]["content"] for ex in data.train)
     kept = prepare(cfg.model_copy(update={"calculator_annotations": "keep"}), seed=0)
     assert [e["answer"] for e in kept.train] == [e["answer"] for e in data.train]  # gold answers unchanged
+
+
+def test_a_hub_dataset_this_machine_cannot_reach_is_named_at_once(monkeypatch, caplog):
+    """data.source=hub where the hub cannot be reached (its address refused here): `datasets` is asked
+    for its cached copy alone and the stage fails at once naming why, not after the hub client's
+    retries (about 30 s of them, logged as "Retrying in ...")."""
+    import logging
+
+    import huggingface_hub.constants
+
+    from trainer.config import DataConfig
+    from trainer.data import DataError, prepare
+
+    import datasets
+
+    before = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    cfg = DataConfig(source="hub", hub_name="posttrain-tests/no-such-dataset")
+    with caplog.at_level(logging.WARNING), pytest.raises(DataError) as err:
+        prepare(cfg, 0)
+    assert str(err.value).startswith(
+        "data.hub_name: could not load posttrain-tests/no-such-dataset[train]: the hub cannot be reached from here "
+        "(ConnectError") and "this machine's datasets cache holds no copy" in str(err.value)
+    assert "Retrying" not in caplog.text
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before  # as they were

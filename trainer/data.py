@@ -8,6 +8,7 @@ naming the file, row and field, or is skipped and counted when `on_bad_row: skip
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import re
@@ -151,6 +152,39 @@ def make_example(ex_id: str, question: str, answer: str, final: str, system: str
 
 # ---------------------------------------------------------------- real datasets
 
+def _hub_unreachable(name: str) -> str | None:
+    """Why the hub cannot be asked about dataset `name` from here (asked once, no retries), or None:
+    it answered (whatever it said, `datasets` reports), or offline mode is on (`datasets` keeps to its
+    cache then). Unasked, `datasets` waits out the hub client's retries, about 30 s, before its cache."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except HfHubHTTPError:
+        return None
+    except Exception as exc:  # the network: DNS, refused, timed out
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def _offline(on: bool):
+    """`datasets` and the hub client in offline mode for one load: the copy in this machine's cache."""
+    if not on:
+        yield
+        return
+    import datasets
+    import huggingface_hub.constants
+    from unittest import mock
+
+    with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True), \
+            mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+        yield
+
+
 def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any]]]:
     """(label for errors, rows) for the train or test part, through `datasets`."""
     import datasets
@@ -158,10 +192,14 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
     if cfg.source == "hub":
         split = cfg.hub_train_split if which == "train" else cfg.hub_test_split
         label = f"{cfg.hub_name}[{split}]"
+        unreachable = _hub_unreachable(cfg.hub_name)
         try:
-            ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
+            with _offline(unreachable is not None):  # this machine's datasets cache, without the hub's retries
+                ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
         except Exception as exc:  # the hub or a network can fail in many ways
-            raise DataError(f"data.hub_name: could not load {label}: {exc}. Check the name, "
+            why = (f"the hub cannot be reached from here ({unreachable}), and this machine's datasets cache holds "
+                   "no copy" if unreachable is not None else str(exc))
+            raise DataError(f"data.hub_name: could not load {label}: {why}. Check the name, "
                             "or download it and use source=files with data.train") from None
         return label, ds
     path = cfg.train if which == "train" else cfg.test
