@@ -135,7 +135,8 @@ def where_to_look(flow_run_id: str | None, temporary_prefect: bool) -> list[str]
         path = Path(uri[len("sqlite:///"):]).expanduser()
         served = path.resolve() == (ROOT / path).resolve()  # `make serve` opens the same URI from the clone
         ui = f"{_shown(bin_dir / 'mlflow')} ui --backend-store-uri sqlite:///{_shown(path.resolve())} --port 5000"
-        lines.append(f"  (served by `{serve}`, or: {ui})" if served else f"  (served by: {ui})")
+        same = " with this MLFLOW_TRACKING_URI" if "MLFLOW_TRACKING_URI" in os.environ else ""
+        lines.append(f"  (served by `{serve}`{same}, or: {ui})" if served else f"  (served by: {ui})")
     elif not uri.startswith(("http://", "https://")):
         lines.append(f"  (served by: {_shown(bin_dir / 'mlflow')} ui --backend-store-uri {uri} --port 5000)")
     settings = get_current_settings()

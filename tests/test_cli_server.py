@@ -66,7 +66,7 @@ def test_a_command_runs_its_flow_on_its_own_early_server_and_stops_it(tmp_path, 
     # page; `make serve` (run from the clone: MLFLOW_TRACKING_URI names the same store there) shows it
     bin_dir = os.path.relpath(Path(sys.executable).parent, ROOT) if Path(sys.executable).is_relative_to(ROOT) \
         else Path(sys.executable).parent  # as typed from the command's folder, the clone
-    assert f"  (served by `make serve`, or: {bin_dir}/mlflow ui --backend-store-uri " \
+    assert f"  (served by `make serve` with this MLFLOW_TRACKING_URI, or: {bin_dir}/mlflow ui --backend-store-uri " \
            f"sqlite:///{tmp_path / 'mlflow.db'} --port 5000)\n" in proc.stdout, proc.stdout[-2000:]
     assert f"Prefect:           {bin_dir}/prefect server start, then http://127.0.0.1:4200/runs/flow-run/" \
            f"{result['flow_run_id']}   (its state: {tmp_path / 'prefect'})\n" in proc.stdout, proc.stdout[-2000:]
