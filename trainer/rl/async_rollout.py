@@ -203,8 +203,9 @@ class _Channel:
         while (obj := self._pending.get()) is not self._CLOSE:
             try:
                 self.writer.send(obj)  # pickled here, tensors by shared memory (torch's reductions)
-            except (OSError, ValueError):  # the reader is gone, or the channel closed
-                return
+            except (OSError, ValueError):  # the reader is gone
+                break
+        self.writer.close()  # by the thread that writes: never a descriptor closed under a write
 
     def get(self, timeout: float | None = None) -> Any:
         """The next object; queue.Empty after `timeout` seconds without one, EOFError or OSError once
@@ -214,12 +215,14 @@ class _Channel:
         return self.reader.recv()
 
     def close(self, flush_s: float = 0.0) -> None:
-        """Stop the feeder after what was put (waiting up to `flush_s` for it to be written), then close."""
-        if self._feeder is not None:
+        """Close this process's ends: the writing one once what was put is written (waited for up to
+        `flush_s` s; a feeder still sending closes it when done). Nothing may be reading meanwhile."""
+        if self._feeder is None:
+            self.writer.close()
+        else:
             self._pending.put(self._CLOSE)
             self._feeder.join(flush_s)
-        for end in (self.reader, self.writer):
-            end.close()
+        self.reader.close()
 
 
 def _watch_parent(parent: int) -> None:
@@ -349,6 +352,7 @@ class ProcessProducer(_Producer):
     def close(self) -> None:
         super().close()
         self._stop()
+        self.reader.join(2 * POLL_S + 1)  # it stops reading within a poll of the results closing
         self.outbox.close()
 
 
