@@ -300,7 +300,7 @@ def test_an_artifact_root_that_cannot_hold_results_stops_the_run_before_it_start
     """A local artifact_root under a file (a typo, a path swapped with a file's): exit 2 naming the
     setting and the fix, before an MLflow run is made, and listed by the dry run (was a
     NotADirectoryError traceback, and an MLflow run that failed). A folder this user may not write in
-    is found the same way (os.access; not tested here: the tests may run as root, who may)."""
+    is found the same way (the next test)."""
     from mlflow import MlflowClient
 
     from flows.cli import main
@@ -319,6 +319,37 @@ def test_an_artifact_root_that_cannot_hold_results_stops_the_run_before_it_start
     exp = MlflowClient().get_experiment_by_name(experiment)
     assert exp is None or not MlflowClient().search_runs([exp.experiment_id])
     assert afile.read_text() == ""
+
+
+def test_an_artifact_root_this_user_may_not_write_in_or_reach_is_named(tmp_path):
+    """A folder another user owns: one this user may read but not write in, and one it may not even
+    search (its results folder behind it cannot be looked at: was a PermissionError traceback from
+    the dry run and the run). The tests run as root, who may write anywhere: the commands run as root
+    without the capabilities that let it (setpriv), as a user without them would."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (to give a folder to another user) and setpriv (to run without root's access)")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    env.pop("PREFECT_API_URL", None)
+    unprivileged = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                    "--inh-caps=-dac_override,-dac_read_search", "--"]
+    for mode, named in ((0o755, "this user may not write in"), (0o700, "this user may not write in")):
+        folder = tmp_path / f"theirs-{mode:o}"
+        folder.mkdir()
+        os.chown(folder, 65534, 65534)  # nobody's
+        folder.chmod(mode)
+        root = folder / "art"
+        for command in (["speedrun", "--dry-run"], ["prepare-data"]):
+            proc = subprocess.run([*unprivileged, sys.executable, "-m", "flows.cli", *command, "--set",
+                                   f"artifact_root={root}"], env=env, capture_output=True, text=True, timeout=300)
+            said = f"artifact_root: '{root}' cannot hold results: {named} {folder}; point artifact_root at a folder"
+            assert proc.returncode == 2 and said in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+            assert "PermissionError" not in proc.stdout + proc.stderr
+        assert not root.exists()
 
 
 def test_cli_bad_data_path_stops_cleanly(tmp_path, capsys):

@@ -138,7 +138,7 @@ def folder_problem(folder: str | Path) -> str | None:
     """Why `folder` could not be made (if missing) and written in, found without writing anything:
     the nearest path on the way to it that exists must be a folder this user may write in."""
     existing = Path(folder).expanduser().absolute()
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.exists(existing) and existing != existing.parent:  # False too behind a folder it may not search
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
