@@ -61,13 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_summary(result: dict, seconds: float, temporary_prefect: bool = True, stderr: bool = False) -> None:
+def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from tasks.tracking import tracking_uri
 
-    console = Console(stderr=stderr)
+    console = Console()
     table = Table(title="posttrain summary")
     for col in ("stage", "status", "wall s", "key metric"):
         table.add_column(col)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     to_stdout = args.json_out == "-"
     with _stdout_to_stderr(to_stdout):
-        result = _run(args, to_stdout)
+        result = _run(args)
     if result is None:
         return 2
     if to_stdout:  # the result alone on standard output, for a pipe (`| jq .headline`)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args, to_stdout: bool) -> dict | None:
+def _run(args) -> dict | None:
     """The command's flow on its Prefect server, its --json file and summary: the result, or None
     after printing the user's error."""
     from flows import prefect_server
@@ -251,11 +251,11 @@ def _run(args, to_stdout: bool) -> dict | None:
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return None
-    if args.json_out and not to_stdout:  # whole or not at all
+    if args.json_out and args.json_out != "-":  # whole or not at all
         part = Path(args.json_out).with_name(f".{Path(args.json_out).name}.{os.getpid()}.part")
         part.write_text(json.dumps(result, indent=2))
         part.replace(args.json_out)
-    print_summary(result, time.perf_counter() - t0, temporary_prefect=server is not None, stderr=to_stdout)
+    print_summary(result, time.perf_counter() - t0, temporary_prefect=server is not None)
     return result
 
 

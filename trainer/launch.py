@@ -158,22 +158,9 @@ class _RankWatch:
         at = self.dead_at.get(local_rank)
         return at is not None and (self.cleanup_at is None or at < self.cleanup_at)
 
-    def input_error(self) -> str | None:
-        """The message of the user's error (an InputError: a reward that raised, a bad row) where the
-        first rank to fail raised one; the others then fail on the collective it left."""
-        failed = [(err.stat().st_mtime, local_rank) for local_rank in self.pids
-                  if not rank_status_path(self.work_dir, local_rank, "ok").exists()
-                  and (err := rank_status_path(self.work_dir, local_rank, "error")).exists()]
-        killed_first = any(self._first(r) for r in self.pids if r not in {lr for _, lr in failed}
-                           and not rank_status_path(self.work_dir, r, "ok").exists())
-        if not failed or killed_first:
-            return None
-        note = rank_status_path(self.work_dir, min(failed)[1], "input")
-        return note.read_text() if note.exists() else None
-
-    def describe(self, lines: list[str]) -> str:
-        codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.search(line))]
-        code = codes[-1] if codes else None
+    def _endings(self) -> tuple[list[tuple[int, int]], list[tuple[float, int, int, str]]]:
+        """The ranks that did not end well: killed (local rank, pid), and raised (when, local rank,
+        pid, the exception's text)."""
         killed, errors = [], []
         for local_rank, pid in sorted(self.pids.items()):
             if rank_status_path(self.work_dir, local_rank, "ok").exists():
@@ -183,6 +170,21 @@ class _RankWatch:
                 errors.append((err.stat().st_mtime, local_rank, pid, err.read_text().strip()))
             else:
                 killed.append((local_rank, pid))
+        return killed, errors
+
+    def input_error(self) -> str | None:
+        """The message of the user's error (an InputError: a reward that raised, a bad row) where the
+        first rank to fail raised one; the others then fail on the collective it left."""
+        killed, errors = self._endings()
+        if not errors or any(self._first(local_rank) for local_rank, _ in killed):
+            return None
+        note = rank_status_path(self.work_dir, min(errors)[1], "input")
+        return note.read_text() if note.exists() else None
+
+    def describe(self, lines: list[str]) -> str:
+        codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.search(line))]
+        code = codes[-1] if codes else None
+        killed, errors = self._endings()
         parts, stopped = [], []
         # the rank seen gone first is the one that was killed; the launcher stopped the rest
         killed.sort(key=lambda rp: self.dead_at.get(rp[0], float("inf")))
