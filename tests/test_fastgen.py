@@ -255,8 +255,11 @@ def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monke
 def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
     """A build SIGKILLed while compiling (its compilers with it, as when a machine is stopped) leaves
     torch's builder lock behind (it would make every later build wait forever); the next build, in a
-    fresh process, goes ahead and completes."""
-    env = {**os.environ, "POSTTRAIN_KERNEL_CACHE": str(tmp_path / "k"), "POSTTRAIN_KERNELS": "1"}
+    fresh process, goes ahead and completes. The compilers' temporary files stay inside the build
+    folder, and the next build clears them: none left in the user's TMPDIR."""
+    (tmp_path / "t").mkdir()
+    env = {**os.environ, "POSTTRAIN_KERNEL_CACHE": str(tmp_path / "k"), "POSTTRAIN_KERNELS": "1",
+           "TMPDIR": str(tmp_path / "t")}
     cmd = [sys.executable, "-m", "trainer.kernels"]
     root = Path(__file__).resolve().parent.parent
     first = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -280,9 +283,11 @@ def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
             pass
     first.wait()
     assert list((tmp_path / "k").glob("*/lock")) and not list((tmp_path / "k").glob("*/.complete"))
+    assert not list((tmp_path / "t").iterdir()), "the killed compilers left files in TMPDIR"
     second = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "kernels:" in second.stdout and list((tmp_path / "k").glob("*/.complete"))
+    assert not list((tmp_path / "k").glob("*/tmp")) and not list((tmp_path / "t").iterdir())
 
 
 def test_sampling_draws_each_token_at_its_softmax_probability():

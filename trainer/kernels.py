@@ -108,8 +108,11 @@ def _load(verbose: bool = False):
     build it once: they take an flock on the build folder, which the OS releases if its holder dies.
     torch's builder keeps its own lock file there, which a builder killed mid-build (SIGKILL) leaves
     behind and every later builder would wait on forever; under the flock no builder is alive, so
-    such a file is stale and removed. `.complete` names the library once a build has loaded."""
+    such a file is stale and removed, and so are the compilers' temporary files, which they write under
+    the build folder's `tmp/` (under TMPDIR, a killed build would leave them in /tmp for good).
+    `.complete` names the library once a build has loaded."""
     import fcntl
+    import shutil
 
     import torch
     from torch.utils.cpp_extension import load
@@ -123,10 +126,22 @@ def _load(verbose: bool = False):
             torch.ops.load_library(str(out / done.read_text().strip()))
             return torch.ops.posttrain
         (out / "lock").unlink(missing_ok=True)
+        scratch = out / "tmp"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
         flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(_capability(), [])]
-        # a plain shared library registering the op (no Python module)
-        load(name="posttrain_kernels", sources=[str(f) for f in SOURCES], extra_cflags=flags, build_directory=str(out),
-             is_python_module=False, verbose=verbose)
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(scratch)  # ninja and the compilers inherit the environment
+        try:
+            # a plain shared library registering the op (no Python module)
+            load(name="posttrain_kernels", sources=[str(f) for f in SOURCES], extra_cflags=flags,
+                 build_directory=str(out), is_python_module=False, verbose=verbose)
+        finally:
+            if saved is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = saved
+            shutil.rmtree(scratch, ignore_errors=True)
         built = max(out.glob("posttrain_kernels*.so"), key=lambda f: f.stat().st_mtime)
         done.write_text(built.name + "\n")
     return torch.ops.posttrain
