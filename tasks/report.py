@@ -319,16 +319,31 @@ def final_answers(client, run) -> list[dict] | None:
     """The held-out rows (id, question, correct, ...) of a pipeline run's final policy: its eval of
     GRPO, else of SFT or the starting policy, as the eval stage logged them (a cache hit's, from the
     run that computed it); None where the run has none (it stopped before, or holds no eval)."""
-    import json
     import os
-    import tempfile
-    from unittest import mock
 
     evals = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}' "
                                "and tags.`posttrain.stage` = 'eval'")
+    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no progress bar per file downloaded
+    try:
+        table = _final_table(client, evals)
+    finally:
+        if bar is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
+    if not table or "id" not in table.get("columns", ()):
+        return None
+    return [dict(zip(table["columns"], row)) for row in table["data"]]
+
+
+def _final_table(client, evals) -> dict | None:
+    """The eval table of the latest stage (GRPO, SFT, start) among a pipeline run's eval runs."""
+    import json
+    import tempfile
+
     by_stage: dict[str, str] = {}
-    quiet = mock.patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"})  # no bar per file
-    with tempfile.TemporaryDirectory() as tmp, quiet:
+    with tempfile.TemporaryDirectory() as tmp:
         def artifact(run_id: str, name: str) -> Any:
             try:
                 return json.loads(Path(client.download_artifacts(run_id, name, tmp)).read_text())
@@ -340,10 +355,7 @@ def final_answers(client, run) -> list[dict] | None:
             manifest = artifact(source, "manifest.json") or {}
             by_stage.setdefault(manifest.get("evaluated_stage"), source)
         final = next((by_stage[s] for s in ("grpo", "sft", "start") if s in by_stage), None)
-        table = artifact(final, "eval_results.json") if final else None
-    if not table or "id" not in table.get("columns", ()):
-        return None
-    return [dict(zip(table["columns"], row)) for row in table["data"]]
+        return artifact(final, "eval_results.json") if final else None
 
 
 def paired_text(mine: list[dict] | None, base: list[dict] | None) -> str:

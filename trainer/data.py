@@ -177,12 +177,14 @@ def _offline(on: bool):
         yield
         return
     import datasets
-    import huggingface_hub.constants
-    from unittest import mock
+    from huggingface_hub import constants
 
-    with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True), \
-            mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
         yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any]]]:
