@@ -188,6 +188,10 @@ def _check_json_out(path: str) -> None:
         raise ConfigError(f"--json {path}: {problem}; name a file in a folder you can write in")
 
 
+INTERRUPTED = ("The stages that finished are cached, and a stage cut short keeps its last checkpoint "
+               "(sft.checkpoint_every, grpo.checkpoint_every): run the same command again to go on from there.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "compare":
@@ -219,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
     to_stdout = args.json_out == "-"
-    with _stdout_to_stderr(to_stdout):
-        result = _run(args)
+    try:
+        with _stdout_to_stderr(to_stdout):
+            result = _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the flow run is marked crashed and the MLflow runs killed on the way out
+        print(f"\nposttrain: interrupted. {INTERRUPTED}", file=sys.stderr)
+        return 130
     if result is None:
         return 2
     if to_stdout:  # the result alone on standard output, for a pipe (`| jq .headline`)

@@ -32,9 +32,11 @@ class TemporaryServer:
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1"}
         with self.log.open("w") as log:
+            # a session of its own: a terminal's Ctrl-C (SIGINT to its foreground process group) reaches
+            # the command alone, which then reports the interrupted run to this server before it stops it
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.prefect_server", str(os.getpid()), str(self.port), str(self.log)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 import yaml
 
-from tasks.tracking import (MlflowLogger, TrackingError, TrackingRef, artifact_store_problem, mlflow_client,
-                            prefect_logger, tracking_uri)
+from tasks.tracking import (MlflowLogger, TrackingError, TrackingRef, artifact_store_problem, ended_status,
+                            mlflow_client, prefect_logger, tracking_uri)
 from trainer import storage
 from trainer.config import RunConfig
 
@@ -130,8 +130,6 @@ def warm_up() -> None:
 @contextmanager
 def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
                  nightly: bool = False) -> Iterator[PipelineRun]:
-    from mlflow.entities import RunStatus
-
     log = prefect_logger()
     problem = storage.local_root_problem(cfg.artifact_root)  # before any MLflow run is made
     if problem:
@@ -162,8 +160,8 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
         storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
         pipe = PipelineRun(cfg, ref, logger, flow_name)
         yield pipe
-    except BaseException:
-        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as exc:
+        client.set_terminated(run.info.run_id, ended_status(exc))
         raise
     if "wall_seconds" not in pipe.headline:
         pipe.report(wall_seconds=pipe.elapsed())

@@ -18,7 +18,7 @@ from tasks import lease
 from tasks.keys import KeyRule, code_version, extent, resolve
 from tasks.results import HOLDER_FILE, adopt_checkpoint, commit, damage, work_dir_for
 from tasks.stages import rule_for
-from tasks.tracking import MlflowLogger, TrackingRef, child_logger, prefect_logger
+from tasks.tracking import MlflowLogger, TrackingRef, child_logger, ended_status, prefect_logger
 from trainer import storage
 from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
 from trainer.config import RunConfig
@@ -128,10 +128,8 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
         with checkpoint_guard(held.check):
             extra = body(work, logger)
         held.check()
-    except BaseException:
-        from mlflow.entities import RunStatus
-
-        logger.client.set_terminated(logger.run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as exc:
+        logger.client.set_terminated(logger.run_id, ended_status(exc))
         # nothing written, no checkpoint to resume from: no empty key folder left behind, nor (s3://)
         # a scratch folder holding only its holder's note (a local work folder has none)
         if not {p.name for p in work.iterdir()} - {HOLDER_FILE}:

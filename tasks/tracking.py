@@ -86,6 +86,16 @@ class MlflowLogger:
 _ready: set[str] = set()
 
 
+def ended_status(exc: BaseException) -> str:
+    """The MLflow status of a run that `exc` ended: KILLED for a stop from outside (Ctrl-C, a
+    cancellation from the Prefect UI, which Prefect raises as a signal), FAILED for anything else."""
+    from mlflow.entities import RunStatus
+    from prefect.exceptions import ExternalSignal
+
+    stopped = isinstance(exc, (KeyboardInterrupt, ExternalSignal))
+    return RunStatus.to_string(RunStatus.KILLED if stopped else RunStatus.FAILED)
+
+
 class TrackingError(InputError):
     pass
 

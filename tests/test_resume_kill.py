@@ -175,3 +175,52 @@ def check_lora_lineage(result: dict) -> None:
     name, version = result["registered_model"].split("/")
     tags = client.get_model_version(name, version).tags
     assert tags["posttrain.lora"].startswith("merged (rank 4") and tags["posttrain.adapter_uri"].endswith("/adapter")
+
+
+def test_ctrl_c_stops_the_command_at_once_then_rerun_resumes(tmp_path, migrated_stores):
+    """Ctrl-C in a terminal (SIGINT to the command's whole process group) during SFT: the command
+    exits 130 within seconds, with a line saying how to go on, no traceback; the flow run and the
+    MLflow runs end as stopped (KILLED), and the same command again resumes SFT from its checkpoint.
+    The temporary Prefect server stays out of the terminal's group: before, the Ctrl-C stopped it
+    too, and the command then retried it at exit for minutes, reporting its crash to nobody."""
+    import re
+
+    from mlflow.tracking import MlflowClient
+
+    cmd = [sys.executable, "-m", "flows.cli", "sft", "--preset", "tiny", "--set", f"artifact_root={tmp_path}"]
+    for o in OVERRIDES:
+        cmd += ["--set", o]
+    log = tmp_path / "interrupted.log"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the command's own temporary server
+    env.update(POSTTRAIN_FAULT="sft@7:hang", PREFECT_HOME=str(migrated_stores.prefect_home(tmp_path / "prefect")))
+    with open(log, "wb") as f:  # a foreground job's signals as a shell sets them (a test runner may ignore SIGINT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + 300
+            while "injected hang at sft 7" not in log.read_text(errors="replace"):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=60)  # about a second here
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log.read_text(errors="replace")
+    assert code == 130, text[-3000:]
+    assert "posttrain: interrupted. The stages that finished are cached" in text and "Traceback" not in text
+    port = re.search(r"temporary Prefect server on http://127\.0\.0\.1:(\d+)/api", text).group(1)
+    from tests.test_cli_server import listening
+
+    assert not listening(int(port)), "the temporary Prefect server outlived its command"
+    client = MlflowClient()
+    pipeline = re.search(r"MLflow run ([0-9a-f]{32}) ", text).group(1)
+    sft = re.search(r"sft: running \(key \w+\); MLflow child run ([0-9a-f]{32})", text).group(1)
+    assert client.get_run(pipeline).info.status == client.get_run(sft).info.status == "KILLED"
+
+    code, _ = run_cli(tmp_path, tmp_path / "resumed.json", command="sft")
+    result = json.loads((tmp_path / "resumed.json").read_text())
+    assert manifest(result, "sft")["result"]["resumed_from_step"] == 5

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -233,7 +234,10 @@ def _watch_parent(parent: int) -> None:
 
 
 def _serve(spec: dict[str, Any], inbox, outbox) -> None:
-    """The rollout process: builds the model from its config, then serves weights and requests in order."""
+    """The rollout process: builds the model from its config, then serves weights and requests in order.
+    A terminal's Ctrl-C reaches it too (its process group's): the trainer decides, and this process goes
+    when its channel closes or the trainer is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True, name="parent-watch").start()
     try:
         if spec["cpus"]:
