@@ -123,7 +123,7 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
     sections = rule.sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
-    log.info("%s: running (key %s); MLflow child run %s", stage, where.key, logger.run_id)
+    log.info("%s: running (key %s) in %s; MLflow child run %s", stage, where.key, folder, logger.run_id)
     try:
         with checkpoint_guard(held.check):
             extra = body(work, logger)

@@ -218,7 +218,7 @@ def test_ctrl_c_stops_the_command_at_once_then_rerun_resumes(tmp_path, migrated_
     assert not listening(int(port)), "the temporary Prefect server outlived its command"
     client = MlflowClient()
     pipeline = re.search(r"MLflow run ([0-9a-f]{32}) ", text).group(1)
-    sft = re.search(r"sft: running \(key \w+\); MLflow child run ([0-9a-f]{32})", text).group(1)
+    sft = re.search(r"sft: running \(key \w+\) in \S+; MLflow child run ([0-9a-f]{32})", text).group(1)
     assert client.get_run(pipeline).info.status == client.get_run(sft).info.status == "KILLED"
 
     code, _ = run_cli(tmp_path, tmp_path / "resumed.json", command="sft")
