@@ -57,7 +57,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
 
         gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0))
     else:
-        with progress_bar("eval", total=len(prompts)) as bar:
+        with progress_bar("eval", total=len(prompts), unit="answers") as bar:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
     return _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)

@@ -242,7 +242,7 @@ def train_sft(
     order = epoch_order(len(data), cfg.seed, epoch)
     loss_value, t0, tok_t0 = float("nan"), time.perf_counter(), 0
     engine.train()
-    with progress_bar("sft", total=total, completed=step, enabled=rank == 0) as bar:
+    with progress_bar("sft", total=total, completed=step, enabled=rank == 0, unit="steps") as bar:
         while step < total:
             if s.max_seconds is not None and ds.any_rank(seconds_before + time.perf_counter() - t0 > s.max_seconds):
                 log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
