@@ -140,6 +140,18 @@ def test_triggered_run_completes_then_failed_stage_alone_reruns_on_retry(served,
     assert {"sft_accuracy", "final_accuracy", "wall_seconds"} <= set(parent.data.metrics)
     assert [c.data.tags["posttrain.stage"] for c in children] == ["prepare_data", "tokenizer", "sft", "eval",
                                                                      "grpo", "eval"]
+    # the ML core's progress reaches the flow run's log in the Prefect UI (no terminal here: log lines)
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    entries: list = []
+    while len(entries) % 200 == 0:  # 200: the most the server returns per call
+        page = api(served, lambda c: c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
+                                                 limit=200, offset=len(entries)))
+        entries += page
+        if not page:
+            break
+    said = [entry.message for entry in entries if entry.name == "trainer.progress"]
+    assert sum(m.startswith("eval: 40/40 answers (100%), ") for m in said) == 2, said  # after SFT and GRPO
     # what `make serve` prints for MLflow: the runs table of the experiment the run went to
     from deployments.serve import runs_table
 
