@@ -407,3 +407,60 @@ def test_hf_path_min_new_tokens_holds_back_eos_and_keeps_the_unmasked_logprobs(c
     with torch.no_grad():
         lp, _ = token_logprobs(model, packed.ids, packed.attn)
     assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- prompts the model's context cannot hold
+
+def _with_overlong(tok, context: int) -> tuple[list[list[int]], set[int]]:
+    """Short prompts with, among them, three that fill the context or run past it (real data does
+    this: GSM8K's problems under the tiny preset's 384-token BPE and 256 positions)."""
+    prompts = _prompts(tok, 9)
+    filler = tok.encode(" and then some more words", add_special_tokens=False)
+    long = {1: context, 4: context + 7, 8: 2 * context}
+    for i, n in long.items():
+        prompts[i] = (prompts[i] + filler * n)[:n]
+    return prompts, set(long)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prompts_the_context_cannot_hold_get_no_tokens_and_the_rest_decode_as_alone(char_tok, kind, monkeypatch):
+    """It raised IndexError (the fast decoder's position table; GPT-2's through HF generate) and
+    took the eval stage down with it, after SFT had trained."""
+    if kind == "llama":
+        model = _model("llama", char_tok)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(char_tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                           eos_token_id=char_tok.eos_token_id,
+                                           pad_token_id=char_tok.pad_token_id)).eval()
+    context = model.config.max_position_embeddings
+    prompts, long = _with_overlong(char_tok, context)
+    got = generate(model, char_tok, prompts, 12, temperature=0.0, batch_size=4, logprobs=False)
+    short = [i for i in range(len(prompts)) if i not in long]
+    alone = generate(model, char_tok, [prompts[i] for i in short], 12, temperature=0.0, batch_size=4, logprobs=False)
+    assert [got[i].token_ids for i in short] == [g.token_ids for g in alone]
+    assert all(got[i].token_ids and got[i].prompt_ids == prompts[i] for i in short)
+    for i in long:
+        assert (got[i].token_ids, got[i].text, got[i].finish_reason) == ([], "", "length"), i
+
+
+def test_eval_scores_what_the_context_cannot_hold_as_wrong_and_says_so(char_tok, caplog):
+    from trainer.config import EvalConfig
+    from trainer.evaluate import evaluate
+
+    model = _model("llama", char_tok)
+    examples = [{"id": p["id"], "answer": f"#### {p['answer']}", "messages": [
+        {"role": "user", "content": p["question"] + (" Think." * 40 if i in (2, 5) else "")}]}  # 2, 5: past 128
+        for i, p in enumerate(problems(9))]
+    result = evaluate(model, char_tok, examples, EvalConfig(max_new_tokens=8, batch_size=4))
+    assert result.n == 9 and result.over_context == 2
+    assert result.metrics()["eval/prompts_over_context"] == 2.0
+    assert [r["response_tokens"] for r in result.rows if r["id"] in ("add-2", "add-5")] == [0, 0]
+    assert not any(r["correct"] for r in result.rows if r["id"] in ("add-2", "add-5"))
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "trainer.evaluate"]
+    assert warning.startswith("eval: 2 of 9 prompts are 128 tokens or longer, the model's whole context") \
+        and "Raise model.max_position" in warning, warning
+    short = evaluate(model, char_tok, examples[:2], EvalConfig(max_new_tokens=8, batch_size=4))
+    assert "eval/prompts_over_context" not in short.metrics()

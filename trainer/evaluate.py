@@ -8,6 +8,7 @@ Run alone: `posttrain eval --preset tiny`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +20,10 @@ from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
 from trainer.data import prompt_messages, question_of
-from trainer.inference.generate import generate
+from trainer.inference.generate import context_of, generate
 from trainer.progress import progress_bar
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,12 +36,14 @@ class EvalResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     flexible_accuracy: float = float("nan")
     tools: dict[str, float] = field(default_factory=dict)  # multi-turn: tool calls and successes
+    over_context: int = 0  # prompts as long as the model's context: no answer, scored wrong
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         return {f"{prefix}accuracy": self.accuracy, f"{prefix}flexible_accuracy": self.flexible_accuracy,
                 f"{prefix}format_rate": self.format_rate,
                 f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n),
-                **{f"{prefix}{k}": v for k, v in self.tools.items()}}
+                **{f"{prefix}{k}": v for k, v in self.tools.items()},
+                **({f"{prefix}prompts_over_context": float(self.over_context)} if self.over_context else {})}
 
 
 def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
@@ -52,6 +57,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
     if environment is not None and environment.multi_turn:
         return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0)
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
+    over = _over_context(model, prompts) if engine is None else 0
     if engine is not None:
         from trainer.inference.engines import SamplingParams
 
@@ -60,7 +66,23 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
         with progress_bar("eval", total=len(prompts), unit="answers") as bar:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
-    return _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)
+    result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)
+    result.over_context = over
+    return result
+
+
+def _over_context(model: torch.nn.Module, prompts: list[list[int]]) -> int:
+    """How many prompts the model cannot answer (as long as its context, or longer: generate gives
+    them no token, so they score wrong), said in the log with the fix."""
+    context = context_of(model)
+    over = sum(len(p) >= context for p in prompts) if context is not None else 0
+    if over:
+        log.warning("eval: %d of %d prompts are %d tokens or longer, the model's whole context (the longest: %d "
+                    "tokens, chat template and data.system_prompt included): they get no answer and score wrong. "
+                    "Raise model.max_position (a model built from its config; sft.max_length too, so that SFT "
+                    "trains on whole answers), or use shorter problems", over, len(prompts), context,
+                    max(map(len, prompts)))
+    return over
 
 
 def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:

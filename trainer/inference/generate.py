@@ -104,6 +104,12 @@ class Generation:
     served_by: str | None = None  # the server that generated it (None: in this process)
 
 
+def context_of(model: torch.nn.Module) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), or None if it names none."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -140,6 +146,14 @@ def generate(
     # Longest prompts first keeps padding low; results are put back in input order.
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: dict[int, Generation] = {}
+    # A prompt that fills the model's context leaves no position for a new token: it gets none
+    # ("length", as a response cut at the context's end), and the rest of its batch decodes on.
+    context = context_of(model)
+    while order and context is not None and len(prompts[order[0]]) >= context:
+        i = order.pop(0)
+        results[i] = Generation(prompt_ids=prompts[i], token_ids=[], logprobs=[], text="", finish_reason="length")
+    if progress is not None and results:
+        progress.update(len(results))
     fast = decoder_for(model)
     stopper = StopStrings(tok, stop) if stop else None
     device = next(model.parameters()).device  # HF generate: the prompts go where the weights are
