@@ -313,3 +313,21 @@ def test_what_the_hub_answers_for_a_model_is_named(monkeypatch):
     assert said["missing"].startswith("the hub has no model of that name (or it is private")
     assert said["no-config"] == "its hub repository has no config.json: it is not a transformers model"
     assert said["busy"] is None and said["fine"] is None
+
+
+def test_truncation_says_how_many_examples_lost_their_whole_answer(tiny_tokenizer, tmp_path, caplog):
+    """Real GSM8K under the tiny preset: most examples are cut at sft.max_length, and half keep no
+    answer token at all; they are left out, and the plan's step count follows what is left."""
+    rows = synthetic(load_config("tiny", []).data.synthetic.model_copy(update={"n_train": 40, "n_test": 2}), 3).train
+    long = "Dee has 6 coins. " * 10
+    for i in range(0, 40, 2):  # every other question fills the 128 tokens before its answer starts
+        rows[i] = {**rows[i], "messages": [{**m, "content": long + m["content"]} if m["role"] == "user" else m
+                                           for m in rows[i]["messages"]]}
+    cfg = load_config("tiny", ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+                               "sft.micro_batch_size=4", "sft.epochs=1"])
+    with caplog.at_level(logging.WARNING, logger="trainer.sft"):
+        _, res = train_sft(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, rows, tmp_path)
+    [said] = [r.getMessage() for r in caplog.records if r.name == "trainer.sft"]
+    assert said.startswith("sft: ") and "of 40 examples truncated to max_length=128; 20 of them kept no answer " \
+        "token and are left out, 20 train (raise sft.max_length)" in said, said
+    assert res.n_examples == 20 and res.steps == 5

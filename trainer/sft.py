@@ -205,7 +205,10 @@ def train_sft(
         raise InputError("sft: no training example keeps an assistant token after truncation; "
                          f"raise sft.max_length (now {s.max_length})")
     if n_truncated:
-        log.warning("sft: %d of %d examples truncated to max_length=%d", n_truncated, len(examples), s.max_length)
+        lost = len(examples) - len(data)  # truncation cut every answer token: nothing left to train on
+        log.warning("sft: %d of %d examples truncated to max_length=%d%s", n_truncated, len(examples), s.max_length,
+                    f"; {lost} of them kept no answer token and are left out, {len(data)} train (raise "
+                    "sft.max_length)" if lost else "")
     total = planned_steps(cfg, len(data))
     if cfg.model.lora is not None:  # the adapters train, the rest is frozen
         from trainer import lora
