@@ -409,6 +409,31 @@ def test_failure_message_names_the_rank_that_died_first(tmp_path):
     assert watch.describe(lines).startswith("the launcher stopped local rank 0, 1")
 
 
+def test_the_rank_the_launcher_names_first_is_first_whenever_the_others_were_seen_to_go(tmp_path):
+    """A user's error on rank 0 (a reward that raised) is the run's error, exit 2 with its words, even
+    where this process saw rank 1, which the launcher then stopped, gone before it read the
+    launcher's lines: on a loaded machine the suite's two-rank reward test got the launcher's
+    failure (exit 1, 'local rank 1 was killed by a signal; then local rank 0 raised ...')."""
+    from trainer.launch import _RankWatch, rank_status_path
+
+    watch = _RankWatch(tmp_path)
+    for rank, pid in ((0, 100), (1, 101)):
+        watch.saw(f"[posttrain local_launch] process {pid} spawned with command: ['python', '-u', '-m', "
+                  f"'tasks.rank_main', '--local_rank={rank}', '--spec', 'x']")
+    rank_status_path(tmp_path, 0, "error").parent.mkdir(parents=True)
+    rank_status_path(tmp_path, 0, "error").write_text("RewardError: grpo.rewards: reward 'r' raised TypeError")
+    rank_status_path(tmp_path, 0, "input").write_text("grpo.rewards: reward 'r' raised TypeError on example 'syn-4'")
+    watch.dead_at = {1: 5.0}  # seen gone by the poll before the pump thread read a line of the clean-up
+    lines = ["[posttrain local_launch] local rank 0 (pid 100) failed first, with exit code 1",
+             "[posttrain local_launch] Killing subprocess 101",
+             "[posttrain local_launch] ['python', ...] exits with return code = 1"]
+    for line in lines:
+        watch.saw(line)
+    assert watch.input_error() == "grpo.rewards: reward 'r' raised TypeError on example 'syn-4'"
+    assert watch.describe(lines) == ("local rank 0 (pid 100) raised RewardError: grpo.rewards: reward 'r' raised "
+                                     "TypeError; then the launcher stopped local rank 1")
+
+
 def test_what_killed_processes_leave_behind_stalls_no_group_and_is_cleaned_up(tmp_path):
     """A process killed while DeepSpeed JIT-built an op leaves torch's lock file behind; a later
     run must still start (this hung CI for 90 minutes before DeepSpeed's shm op was skipped). A

@@ -131,12 +131,14 @@ class _RankWatch:
         self.pids: dict[int, int] = {}  # local rank -> pid
         self.dead_at: dict[int, float] = {}  # local rank -> when the supervisor saw it gone
         self.cleanup_at: float | None = None  # when the launcher began killing the other ranks
+        self.failed_first: int | None = None  # the local rank trainer.local_launch names as the first to fail
 
     def saw(self, line: str) -> None:
         if m := _SPAWNED.search(line):
             self.pids[int(m.group(2))] = int(m.group(1))
         elif m := _FAILED_FIRST.search(line):
-            self.dead_at.setdefault(int(m.group(1)), time.monotonic())
+            self.failed_first = int(m.group(1))
+            self.dead_at.setdefault(self.failed_first, time.monotonic())
         elif "Killing subprocess" in line and self.cleanup_at is None:
             self.cleanup_at = time.monotonic()
 
@@ -154,7 +156,11 @@ class _RankWatch:
                 self.dead_at[local_rank] = time.monotonic()
 
     def _first(self, local_rank: int) -> bool:
-        """Died before the launcher started its clean-up (not one of the ranks it stopped)."""
+        """The rank the launcher names as the first to fail; without that word (DeepSpeed's own
+        launcher), one that died before the launcher started its clean-up. (Timing alone misled: this
+        process can see a rank the launcher stopped gone before it reads the launcher's line saying so.)"""
+        if self.failed_first is not None:
+            return local_rank == self.failed_first
         at = self.dead_at.get(local_rank)
         return at is not None and (self.cleanup_at is None or at < self.cleanup_at)
 
@@ -185,19 +191,28 @@ class _RankWatch:
         codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.search(line))]
         code = codes[-1] if codes else None
         killed, errors = self._endings()
-        parts, stopped = [], []
-        # the rank seen gone first is the one that was killed; the launcher stopped the rest
+        how = f"signal {-code}" if code is not None and code < 0 else "a signal"
+        # first the rank that failed first (the launcher's word, else the one seen gone first), then
+        # the ranks the launcher stopped, then those that failed on what the first left behind
         killed.sort(key=lambda rp: self.dead_at.get(rp[0], float("inf")))
+        parts, stopped = [], []
         for i, (local_rank, pid) in enumerate(killed):
-            if len(killed) > 1 and (i > 0 or not self._first(local_rank)):
+            if self.failed_first is not None:
+                first = local_rank == self.failed_first
+            else:
+                first = len(killed) == 1 or (i == 0 and self._first(local_rank))
+            if first:
+                parts.append(f"local rank {local_rank} (pid {pid}) was killed by {how}")
+            else:
                 stopped.append(str(local_rank))
-                continue
-            how = f"signal {-code}" if code is not None and code < 0 else "a signal"
-            parts.append(f"local rank {local_rank} (pid {pid}) was killed by {how}")
+        errors.sort(key=lambda e: (e[1] != self.failed_first, e))
+        raised = [f"local rank {local_rank} (pid {pid}) raised {text.splitlines()[-1] if text else '?'}"
+                  for _, local_rank, pid, text in errors]
+        if errors and errors[0][1] == self.failed_first:
+            parts.append(raised.pop(0))
         if stopped:
             parts.append(f"the launcher stopped local rank {', '.join(stopped)}")
-        for _, local_rank, pid, text in sorted(errors):
-            parts.append(f"local rank {local_rank} (pid {pid}) raised {text.splitlines()[-1] if text else '?'}")
+        parts += raised
         return "; then ".join(parts) if parts else f"a rank failed (launcher return code {code})"
 
 
