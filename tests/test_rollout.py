@@ -10,7 +10,7 @@ from trainer.model import build_model
 from trainer.inference.engines import HFEngine, SamplingParams
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.orchestrator import DataBuffer, RolloutManager, keep_group
-from trainer.rl.rewards import RewardMix
+from trainer.rl.rewards import RewardError, RewardMix
 from trainer.rl.trajectory import Group, Sample, pack
 
 
@@ -99,6 +99,29 @@ def test_prompts_too_long_are_skipped_and_counted(tiny_tokenizer):
     batch = mgr.generate(1, version=0)
     assert len(batch.groups) == 4 and all(len(g.samples[0].prompt_ids) <= limit for g in batch.groups)
     assert batch.stats["rollout/prompts_skipped_too_long"] > 0
+
+
+def test_prompts_that_fill_the_policys_context_are_skipped_and_counted(tiny_tokenizer):
+    """A prompt as long as the policy's context (model.max_position) leaves no room for a response:
+    skipped and counted like one over rollout.max_prompt_tokens (it was generated into an empty
+    response, reward 0); a policy almost no prompt fits is told so, naming its context."""
+    data = synthetic(load_config("tiny").data.synthetic.model_copy(update={"n_train": 40, "n_test": 5}), 0)
+    from trainer.chat import encode_prompt
+
+    lengths = sorted(len(encode_prompt(tiny_tokenizer, ex["messages"][:-1])) for ex in data.train)
+    limit = lengths[len(lengths) // 2]
+    cfg = RolloutConfig(prompts_per_round=4, n_samples_per_prompt=1, over_sample=1.0)
+    assert cfg.max_prompt_tokens > lengths[-1]  # the setting alone skips none
+    mgr = RolloutManager(cfg, data.train, tiny_tokenizer, ScriptedEngine(lambda i: "#### 1"),
+                         RewardMix.from_specs([RewardSpec(name="math")]), 0, context=limit + 1)
+    batch = mgr.generate(1, version=0)
+    assert len(batch.groups) == 4 and all(len(g.samples[0].prompt_ids) <= limit for g in batch.groups)
+    assert batch.stats["rollout/prompts_skipped_too_long"] > 0
+    mgr = RolloutManager(cfg, data.train, tiny_tokenizer, ScriptedEngine(lambda i: "#### 1"),
+                         RewardMix.from_specs([RewardSpec(name="math")]), 0, context=lengths[0])
+    with pytest.raises(RewardError, match=f"almost every prompt fills the policy's context of {lengths[0]} tokens; "
+                                          "raise model.max_position"):
+        mgr.generate(1, version=0)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])

@@ -31,6 +31,7 @@ from trainer.evaluate import evaluate
 from trainer.rl import losses
 from trainer.inference.cuda import fuse_norms
 from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
+from trainer.inference.generate import context_of
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
 from trainer.rl.rewards import RewardMix
@@ -95,7 +96,8 @@ class GRPOTrainer:
             self.reference.to(self.ds.device)
         self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size, merge=self.merge)
         self.rewards = RewardMix.from_specs(g.rewards)
-        self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward)
+        self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward,
+                                      context=context_of(lora.inner(self.ds.module)))
         # async rounds (rollout.async_steps = k): batches generated beside the update by a producer,
         # each from the policy k versions behind the one it trains (trainer.rl.async_rollout)
         self.async_steps = cfg.rollout.async_steps

@@ -102,9 +102,12 @@ def episode_stats(samples: list[Sample]) -> dict[str, float]:
 
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, examples: list[dict[str, Any]], tok, engine: RolloutEngine | None,
-                 rewards: RewardMix | None, seed: int, on_bad_reward: str = "error") -> None:
+                 rewards: RewardMix | None, seed: int, on_bad_reward: str = "error", context: int | None = None) -> None:
         self.cfg, self.examples, self.tok, self.engine, self.rewards = cfg, examples, tok, engine, rewards
         self.seed, self.on_bad_reward = seed, on_bad_reward
+        # the policy's context (max_position_embeddings): a prompt that fills it leaves no room for a
+        # response, so it is skipped and counted as too long, as one over rollout.max_prompt_tokens is
+        self.context = context
         # async rounds (rollout.async_steps > 0) train every group on the round it was generated for:
         # a carried group would be one version older than the bound allows, so the surplus is dropped
         self.carry_over = cfg.async_steps == 0
@@ -127,12 +130,17 @@ class RolloutManager:
         too long. Advances the buffer: plans are made in round order."""
         cfg = self.cfg
         want = max(0, groups_per_round(cfg) - len(self.carry))
+        longest = cfg.max_prompt_tokens if self.context is None else min(cfg.max_prompt_tokens, self.context - 1)
         indices, too_long = [], 0
         while len(indices) < want:
             for i in self.buffer.take(want - len(indices)):
-                if len(self._prompt(i)) > cfg.max_prompt_tokens:
+                if len(self._prompt(i)) > longest:
                     too_long += 1
                     if too_long > 10 * max(want, 1):
+                        if longest < cfg.max_prompt_tokens:
+                            raise RewardError(f"rollout: almost every prompt fills the policy's context of "
+                                              f"{self.context} tokens; raise model.max_position (a model built "
+                                              "from its config) or use shorter problems")
                         raise RewardError(f"rollout.max_prompt_tokens={cfg.max_prompt_tokens}: almost every "
                                           "prompt is longer; raise it")
                 else:
