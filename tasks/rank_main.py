@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_supervisor, args=(spec["supervisor_pid"],), daemon=True).start()
     ds.init_distributed()
     rank = ds.rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stdout, force=True,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trainer").setLevel(level)  # (tasks/__init__ set INFO for the in-process stages)
     cfg = RunConfig.model_validate(spec["config"])
     work = Path(spec["work_dir"])
     inputs = spec["inputs"]

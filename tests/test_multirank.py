@@ -11,6 +11,7 @@ launcher's environment) and supervised by the stage's Prefect task.
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -88,11 +89,36 @@ def one_rank(root):
     return run(grpo_flow, root, ONE_RANK_SFT)
 
 
+SAID: dict[str, list[str]] = {}  # a launched stage's log lines (the ranks' output, as the supervisor logs it)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def said_while(name: str, fn):
+    """fn(), its flow and task runs' log lines kept in SAID[name] (GRPO logs at the flow's level)."""
+    said, loggers = _Lines(), [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
+    for logger in loggers:
+        logger.addHandler(said)
+    try:
+        return fn()
+    finally:
+        for logger in loggers:
+            logger.removeHandler(said)
+        SAID[name] = said.lines
+
+
 @pytest.fixture(scope="module")
 def two_rank_sft(root):
     from flows.speedrun import sft_flow
 
-    return run(sft_flow, root, TWO_RANK_SFT)
+    return said_while("two_rank_sft", lambda: run(sft_flow, root, TWO_RANK_SFT))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +126,7 @@ def two_rank_grpo(root, one_rank):
     """GRPO on 2 ranks from the one-rank run's SFT checkpoint (a cache hit): same starting weights."""
     from flows.speedrun import grpo_flow
 
-    return run(grpo_flow, root, ONE_RANK_SFT + TWO_RANK_GRPO)
+    return said_while("two_rank_grpo", lambda: run(grpo_flow, root, ONE_RANK_SFT + TWO_RANK_GRPO))
 
 
 def test_sft_two_ranks_match_one_rank(one_rank, two_rank_sft):
@@ -113,6 +139,15 @@ def test_sft_two_ranks_match_one_rank(one_rank, two_rank_sft):
         assert math.isclose(a, b, abs_tol=SFT_LOSS_ATOL), f"step {step}: 1 rank {a} vs 2 ranks {b}"
     assert stage(two_rank_sft, "sft")["metrics"]["sft/world_size"] == 2
     assert stage(one_rank, "sft")["metrics"]["sft/world_size"] == 1
+
+
+def test_rank_0_says_its_progress_and_the_other_ranks_only_their_warnings(two_rank_sft, two_rank_grpo):
+    """The ranks' output reaches the task's log (the Prefect UI): rank 0's progress and notices (no
+    terminal there: log lines), and no rank 1 info lines doubling rank 0's."""
+    sft, grpo = SAID["two_rank_sft"], SAID["two_rank_grpo"]
+    assert any(line.startswith("[rank 0] INFO trainer.progress: sft: 12/12 steps (100%), ") for line in sft), sft
+    assert any(line.startswith("[rank 0] INFO trainer.kernels: compiled kernels") for line in grpo), grpo
+    assert not [line for line in sft + grpo if line.startswith("[rank 1] INFO")]
 
 
 def test_grpo_two_ranks_match_one_rank(one_rank, two_rank_grpo):
