@@ -20,7 +20,7 @@ from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
 from trainer.data import prompt_messages, question_of
-from trainer.inference.generate import context_of, generate
+from trainer.inference.generate import context_of, generate, over_context
 from trainer.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,14 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
 
 
 def _over_context(model: torch.nn.Module, prompts: list[list[int]]) -> int:
-    """How many prompts the model cannot answer (as long as its context, or longer: generate gives
-    them no token, so they score wrong), said in the log with the fix."""
-    context = context_of(model)
-    over = sum(len(p) >= context for p in prompts) if context is not None else 0
+    """How many prompts the model cannot answer (generate gives them no token, so they score
+    wrong), said in the log with the fix."""
+    over = len(over_context(model, prompts))
     if over:
         log.warning("eval: %d of %d prompts are %d tokens or longer, the model's whole context (the longest: %d "
                     "tokens, chat template and data.system_prompt included): they get no answer and score wrong. "
                     "Raise model.max_position (a model built from its config; sft.max_length too, so that SFT "
-                    "trains on whole answers), or use shorter problems", over, len(prompts), context,
+                    "trains on whole answers), or use shorter problems", over, len(prompts), context_of(model),
                     max(map(len, prompts)))
     return over
 

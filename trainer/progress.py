@@ -49,11 +49,11 @@ class LogBar:
         self._t0 = clock()
         self._gap = FIRST_LINE_SECONDS
         self._next = self._t0 + self._gap
-        self._info = ""
+        self._fields: dict[str, float] = {}
 
     def update(self, advance: int = 1, **fields: float) -> None:
         self.done += advance
-        self._info = _info(fields)
+        self._fields = fields  # formatted only when a line is said
         now = self._clock()
         if now >= self._next:
             self._gap = min(2 * self._gap, MOST_SECONDS_BETWEEN_LINES)
@@ -70,7 +70,7 @@ class LogBar:
         rate = (self.done - self._start) / elapsed if elapsed > 0 else 0.0
         if 0 < self.done < self.total and rate > 0:
             text += f", about {_clock((self.total - self.done) / rate)} left"
-        return text + (f"  {self._info}" if self._info else "")
+        return text + (f"  {_info(self._fields)}" if self._fields else "")
 
     def finish(self) -> None:
         log.info("%s", self.line())

@@ -110,6 +110,12 @@ def context_of(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def over_context(model: torch.nn.Module, prompts: list[list[int]]) -> set[int]:
+    """The prompts (indices) that fill the model's context: no position is left for a new token."""
+    context = context_of(model)
+    return {i for i, p in enumerate(prompts) if len(p) >= context} if context is not None else set()
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -146,12 +152,12 @@ def generate(
     # Longest prompts first keeps padding low; results are put back in input order.
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: dict[int, Generation] = {}
-    # A prompt that fills the model's context leaves no position for a new token: it gets none
-    # ("length", as a response cut at the context's end), and the rest of its batch decodes on.
-    context = context_of(model)
-    while order and context is not None and len(prompts[order[0]]) >= context:
-        i = order.pop(0)
+    # A prompt that fills the model's context gets no token ("length", as a response cut at the
+    # context's end), and the rest of its batch decodes on.
+    over = over_context(model, prompts)
+    for i in over:
         results[i] = Generation(prompt_ids=prompts[i], token_ids=[], logprobs=[], text="", finish_reason="length")
+    order = order[len(over):]  # the longest first: those are the ones over
     if progress is not None and results:
         progress.update(len(results))
     fast = decoder_for(model)
