@@ -55,6 +55,15 @@ def test_a_groups_samples_go_to_one_server_and_groups_round_robin():
     assert route([], 2) == [[], []]
 
 
+def test_a_servers_share_splits_into_near_equal_runs_in_order():
+    from trainer.inference.sglang import _split
+
+    assert _split(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert _split([3, 9], 8) == [[3], [9]]  # never an empty request
+    assert _split([5, 6, 7], 1) == [[5, 6, 7]]
+    assert _split([], 8) == []
+
+
 def test_missing_logprob_is_an_error_not_zero():
     reply = {**RECORDED, "meta_info": {**RECORDED["meta_info"],
                                        "output_token_logprobs": [[-1.0, 3, None], [None, 4, None]]}}

@@ -29,7 +29,8 @@ class SamplingParams:
 class RolloutEngine(Protocol):
     concurrent: bool  # whether generate() may be called from several threads at once
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    # progress: a bar (`update(n)` as n more prompts are answered), or None
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> list[Generation]: ...
     def update_weights(self, model_dir: str | None) -> None: ...
     def close(self) -> None: ...
 
@@ -46,13 +47,13 @@ class HFEngine:
 
         self.module, self.tok, self.batch_size, self.merge = inner(module), tok, batch_size, merge
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress=None) -> list[Generation]:
         from trainer.lora import merged
 
         with merged(self.module, self.merge):
             return generate(self.module, self.tok, prompts, params.max_new_tokens, temperature=params.temperature,
                             top_p=params.top_p, batch_size=self.batch_size, seed=params.seed,
-                            min_new_tokens=params.min_new_tokens, stop=params.stop)
+                            min_new_tokens=params.min_new_tokens, stop=params.stop, progress=progress)
 
     def update_weights(self, model_dir: str | None) -> None:
         pass  # shares the trainer's parameters

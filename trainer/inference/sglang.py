@@ -336,6 +336,7 @@ class _Server:
 # ---------------------------------------------------------------- the engine
 
 MAX_RELAUNCHES = 2  # per engine, for ports taken between their choice and the server's bind
+PROGRESS_PIECES = 8  # requests a server at once when a call's progress is counted (all in flight together)
 
 
 class SGLangEngine:
@@ -445,10 +446,14 @@ class SGLangEngine:
             body = resp.text
         return resp.status_code, body
 
-    def generate(self, prompts: list[list[int]], params) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params, progress=None) -> list[Generation]:
+        """With `progress` (a bar: `update(n)`) each server's prompts go as PROGRESS_PIECES requests at
+        once, counted as each is answered; without, one request a server."""
         if not prompts:
             return []
         shards = route(prompts, len(self.servers))
+        pieces = [(k, piece) for k, idx in enumerate(shards)
+                  for piece in _split(idx, PROGRESS_PIECES if progress is not None else 1) if piece]
 
         def sampling(i: int) -> dict:
             # one seed per sample: with a shared seed the n samples of a group would be identical
@@ -462,34 +467,30 @@ class SGLangEngine:
                 sp["stop"] = list(params.stop)
             return sp
 
-        def run(k: int) -> list[dict]:
-            idx = shards[k]
-            if not idx:
-                return []
+        def run(k: int, idx: list[int]) -> list[Generation]:
             body = {"input_ids": [prompts[i] for i in idx], "sampling_params": [sampling(i) for i in idx],
                     "return_logprob": True}
-            status, reply = self._post(self.servers[k], "/generate", body)
+            server = self.servers[k]
+            status, reply = self._post(server, "/generate", body)
             if status != 200:
-                raise SGLangError(f"SGLang server {self.servers[k].url}/generate answered {status}: "
-                                  f"{str(reply)[:500]}")
-            return reply if isinstance(reply, list) else [reply]
+                raise SGLangError(f"SGLang server {server.url}/generate answered {status}: {str(reply)[:500]}")
+            reply = reply if isinstance(reply, list) else [reply]
+            if len(reply) != len(idx):
+                raise SGLangError(f"SGLang server {server.url} returned {len(reply)} results for {len(idx)} prompts")
+            return [parse_generation(r, prompts[i], self.tok, server.url) for i, r in zip(idx, reply)]
 
-        # the first failing server fails the call at once, without waiting for the others' replies
-        pool = ThreadPoolExecutor(len(self.servers))
-        futures = {pool.submit(run, k): k for k in range(len(self.servers))}
-        replies: list[list[dict]] = [[] for _ in self.servers]
+        # the first failing request fails the call at once, without waiting for the others' replies
+        pool = ThreadPoolExecutor(len(pieces))
+        futures = {pool.submit(run, k, idx): idx for k, idx in pieces}
+        out: list[Generation | None] = [None] * len(prompts)
         try:
             for fut in as_completed(futures):
-                replies[futures[fut]] = fut.result()
+                for i, g in zip(futures[fut], fut.result()):
+                    out[i] = g
+                if progress is not None:
+                    progress.update(len(futures[fut]))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        out: list[Generation | None] = [None] * len(prompts)
-        for k, idx in enumerate(shards):
-            if len(replies[k]) != len(idx):
-                raise SGLangError(f"SGLang server {self.servers[k].url} returned {len(replies[k])} results "
-                                  f"for {len(idx)} prompts")
-            for i, r in zip(idx, replies[k]):
-                out[i] = parse_generation(r, prompts[i], self.tok, self.servers[k].url)
         return out  # type: ignore[return-value]
 
     def update_weights(self, model_dir: str | None) -> None:
@@ -573,6 +574,18 @@ def _refusal(status: int, reply: object) -> str | None:
     if status == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
         return None
     return reply.get("message") if isinstance(reply, dict) else str(reply)[:500]
+
+
+def _split(idx: list[int], n: int) -> list[list[int]]:
+    """`idx` in at most n runs of near-equal length, in order (none when it is empty)."""
+    if not idx:
+        return []
+    n = max(1, min(n, len(idx)))
+    size, extra = divmod(len(idx), n)
+    bounds = [0]
+    for j in range(n):
+        bounds.append(bounds[-1] + size + (j < extra))
+    return [idx[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def route(prompts: list[list[int]], n_servers: int) -> list[list[int]]:

@@ -130,8 +130,9 @@ def tool_use(episodes: list) -> dict[str, float]:
 
 def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Episode], params: SamplingParams,
          max_turns: int, max_tokens: int, observations: Observations, describe_tools: bool = True,
-         ) -> list[Trajectory]:
-    """Every episode to its end; each turn one engine call over the unfinished ones (in order)."""
+         progress=None) -> list[Trajectory]:
+    """Every episode to its end; each turn one engine call over the unfinished ones (in order).
+    `progress` (a bar, `update(n)`) counts the episodes as they end."""
     trajs = [Trajectory(e, prompt_ids(tok, e, describe_tools)) for e in episodes]
     stop = tuple(dict.fromkeys(params.stop + (TOOL_CALL_END,)))
     for turn in range(max_turns):
@@ -168,7 +169,11 @@ def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Epi
                 t.reason = "token_budget"  # no room for the observation and a turn after it
                 continue
             t.add(obs, None)
-    for t in trajs:
-        if not t.done:
-            t.reason = "max_turns"
+        if progress is not None:
+            progress.update(sum(t.done for t in live))
+    cut = [t for t in trajs if not t.done]
+    for t in cut:
+        t.reason = "max_turns"
+    if progress is not None and cut:
+        progress.update(len(cut))
     return trajs
