@@ -59,9 +59,9 @@ def body(cfg, inputs: dict, ref, fault: dict):
         logger.log_params({"control.budget_steps": steps, "control.grpo_train_seconds": grpo["metrics"]["grpo/train_seconds"]})
         if cfg.sft.deepspeed.launched:
             out = run_launched("sft", run_cfg, cfg.sft.deepspeed, work, ref, logger,
-                               {"data": data, "tokenizer": None, "fault": None})
+                               {"data": data, "tokenizer": None, "fault": None, "label": "control"})
         else:
-            out = train_and_export(run_cfg, data, None, work, logger)
+            out = train_and_export(run_cfg, data, None, work, logger, label="control")
         metrics = {"control/steps": float(steps), "control/seconds": out["metrics"]["sft/train_seconds"],
                    "control/grpo_train_seconds": grpo["metrics"]["grpo/train_seconds"],
                    "control/final_loss": out["metrics"]["sft/final_loss"]}

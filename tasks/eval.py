@@ -39,19 +39,22 @@ def body(cfg, inputs: dict, ref, fault: dict):
         else:
             policy = load_model(path, cfg.model.dtype).to(device())
         logger.set_tags({"posttrain.answered_by": "sglang" if engine is not None else "hf generate"})
+        # an sft stage that trained nothing (sft.enabled=false) holds the pretrained starting policy
+        evaluated_stage = "start" if model.get("skipped") else model["stage"]
+        label = f"eval ({evaluated_stage})"  # as the summary names the stage
         try:
             env = cfg.rollout.environment  # a multi-turn one: each problem an episode with its tools
             test = load_split(data, "test")
-            result = evaluate(policy, tok, test, cfg.eval, engine=engine, environment=env)
+            result = evaluate(policy, tok, test, cfg.eval, engine=engine, environment=env, label=f"{label} held-out")
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
             if env.multi_turn:  # the same policy answering alone: what the tools are worth to it
-                alone = evaluate(policy, tok, test, cfg.eval, engine=engine)
+                alone = evaluate(policy, tok, test, cfg.eval, engine=engine, label=f"{label} held-out, no tools")
                 metrics["eval/accuracy_without_tools"] = alone.accuracy
             seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
             if seen_rows:
                 seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}),
-                                       engine=engine, environment=env)
+                                       engine=engine, environment=env, label=f"{label} seen")
                 storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
                 logger.log_table(seen_result.rows, "eval_seen_results.json")
                 metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),
@@ -61,8 +64,6 @@ def body(cfg, inputs: dict, ref, fault: dict):
                 engine.close()
         logger.log_metrics(metrics)
         logger.log_table(result.rows, "eval_results.json")
-        # an sft stage that trained nothing (sft.enabled=false) holds the pretrained starting policy
-        evaluated_stage = "start" if model.get("skipped") else model["stage"]
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": evaluated_stage}
 
     return compute

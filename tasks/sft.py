@@ -19,8 +19,9 @@ RANK_IMPORTS = ("trainer.model", "trainer.sft", "trainer.tokenizer", "trainer.lo
 
 
 def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger,
-                     fault_at_step: int | None = None) -> dict:
-    """The SFT stage's work on one rank: in this process, or on each rank under the launcher."""
+                     fault_at_step: int | None = None, label: str = "sft") -> dict:
+    """The SFT stage's work on one rank: in this process, or on each rank under the launcher.
+    `label` names the training in its progress (the control stage trains by SFT too)."""
     # torch and transformers load here, not at import: a fully cached run never needs them
     from trainer import engine as ds, lora
     from trainer.model import build_model, count_params, load_problem, resolve_pretrained
@@ -38,7 +39,7 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
     logger.log_params({"model.n_params": count_params(model)})
     if not cfg.sft.enabled:
         return export_pretrained(model, tok, work, logger)
-    engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step)
+    engine, result = train_sft(cfg, model, tok, load_split(data, "train"), work, logger, fault_at_step, label)
     if result.resumed_from_step is not None:
         logger.set_tags({"resumed_from_step": result.resumed_from_step})
     ds.export_model(engine, tok, work / "model", work / "adapter")
@@ -84,7 +85,8 @@ def body(cfg, inputs: dict, ref, fault: dict):
 
 def on_rank(cfg, inputs: dict, work: Path, logger) -> dict:
     """The body of a rank launched by the DeepSpeed launcher (the SFT-only control's too)."""
-    return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"))
+    return train_and_export(cfg, inputs["data"], inputs["tokenizer"], work, logger, inputs.get("fault"),
+                            inputs.get("label", "sft"))
 
 
 def model_dir(manifest: dict) -> Path:

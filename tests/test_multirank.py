@@ -179,12 +179,15 @@ def test_control_runs_on_two_ranks(root, two_rank_sft):
     steps GRPO's seconds buy at the SFT stage's pace."""
     from flows.speedrun import speedrun
 
-    result = run(speedrun, root, TWO_RANK_SFT + ["control.enabled=true"])
+    result = said_while("control", lambda: run(speedrun, root, TWO_RANK_SFT + ["control.enabled=true"]))
     assert stage(result, "sft")["cache_hit"]
     assert [s["label"] for s in result["stages"]][-2:] == ["control", "eval (control)"]
     control, sft = manifest(result, "control"), manifest(result, "sft")
     assert control["metrics"]["sft/world_size"] == 2
     assert control["result"]["steps"] == control["metrics"]["control/steps"] >= 1
+    steps = control["result"]["steps"]  # its ranks' progress, as the control's (not as SFT's)
+    assert any(line.startswith(f"[rank 0] INFO trainer.progress: control: {steps}/{steps} steps (100%), ")
+               for line in SAID["control"]), SAID["control"]
     first = min(MlflowClient().get_metric_history(control["mlflow_run_id"], "train/loss"), key=lambda m: m.step)
     assert first.value < sft_losses(result)[0] - 0.3  # from the SFT weights, not from scratch
 

@@ -152,10 +152,13 @@ def test_the_token_budget_ends_an_episode_before_its_observation(tiny_tokenizer)
     assert batch.stats["rollout/episode_end/token_budget"] == 6
 
 
-def test_a_multi_turn_grpo_stage_resumes_to_the_uninterrupted_runs_weights(tiny_tokenizer, tmp_path):
+def test_a_multi_turn_grpo_stage_resumes_to_the_uninterrupted_runs_weights(tiny_tokenizer, tmp_path, caplog):
     """Three-turn episodes through rollout, reward, update and checkpoint (trainer.loop): a run
     stopped after round 3 and resumed from its round-2 checkpoint ends bitwise where the
-    uninterrupted run does. (The SIGKILL variant of this on the CLI is tests/test_resume_kill.py's.)"""
+    uninterrupted run does. (The SIGKILL variant of this on the CLI is tests/test_resume_kill.py's.)
+    The last round's eval says its progress and its metrics by name."""
+    import logging
+
     from trainer.grpo import GRPOTrainer
     from trainer.loop import run_round, run_rounds
 
@@ -171,8 +174,13 @@ def test_a_multi_turn_grpo_stage_resumes_to_the_uninterrupted_runs_weights(tiny_
         return GRPOTrainer(cfg, build_model(cfg.model, tiny_tokenizer, 0), tiny_tokenizer, data.train, data.test, work)
 
     full = trainer(tmp_path / "full")
+    caplog.set_level(logging.INFO, logger="trainer")
     run_rounds(full)
     assert full.history[-1]["rollout/turns_mean"] > 2 and full.history[-1]["update/optimizer_steps"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if m.startswith("round 4 eval: 2/2 episodes (100%), ")], said
+    line = next(m for m in said if m.startswith("round 4 eval: accuracy "))
+    assert " format_rate " in line and " turns_mean " in line and line.endswith("s)"), line
     first = trainer(tmp_path / "crash")
     for _ in range(3):
         run_round(first)
@@ -304,3 +312,43 @@ def test_sft_tool_rows_and_calculator_episodes_are_the_same_tokens(tmp_path):
     for marker in ("<tool_call>", "</tool_call>", "<|tool|>"):
         assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1
     assert "<tool_call>" in tok.decode(tok("<tool_call>{}", add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+
+
+class Counted:
+    """A progress bar that records each `update`."""
+
+    def __init__(self) -> None:
+        self.updates: list[int] = []
+
+    def update(self, n: int = 1) -> None:
+        self.updates.append(n)
+
+
+@pytest.mark.parametrize("max_turns, per_turn", [(3, [0, 3]), (1, [0, 3])])
+def test_episodes_are_counted_as_they_end(tiny_tokenizer, caplog, max_turns, per_turn):
+    """A multi-turn eval says how many episodes have ended: each turn counts the episodes it ended
+    (a tool call ends none; the answer after it ends all three), and those play cuts at its
+    max_turns count when it stops; the eval's last progress line has them all."""
+    import logging
+
+    from trainer.config import EvalConfig
+    from trainer.evaluate import evaluate
+    from trainer.rl.multiturn import Observations, play
+    from trainer.inference.engines import SamplingParams
+    from trainer.rl.envs import environment_of
+
+    cfg = load_config("tiny", ["rollout.environment.name=calculator", "rollout.environment.max_tokens=1000",
+                               "rollout.environment.max_turns=3"])
+    examples = synthetic(cfg.data.synthetic.model_copy(update={"n_train": 3, "n_test": 1}), 0).train
+    turns = ['<tool_call>{"name": "calculator", "arguments": {"expression": "48/2"}}</tool_call>', "so #### 24"]
+    env = cfg.rollout.environment
+    bar = Counted()
+    trajs = play(ScriptedPolicy(tiny_tokenizer, turns), tiny_tokenizer, [environment_of(env).reset(ex) for ex in examples],
+                 SamplingParams(64, temperature=0.0), max_turns, env.token_budget(64), Observations(tiny_tokenizer),
+                 progress=bar)
+    assert all(t.done for t in trajs) and bar.updates == per_turn
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    evaluate(None, tiny_tokenizer, examples, EvalConfig(max_new_tokens=64), engine=ScriptedPolicy(tiny_tokenizer, turns),
+             environment=env, label="eval (sft) held-out")
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.progress"]
+    assert len(said) == 1 and said[0].startswith("eval (sft) held-out: 3/3 episodes (100%), "), said

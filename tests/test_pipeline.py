@@ -46,13 +46,27 @@ def task_runs(flow_run_id, done, artifacts: bool = False):
     return asyncio.run(fetch())
 
 
+PROGRESS: list[str] = []  # first_run's progress lines (no terminal under pytest: log lines)
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
+    import logging
+
     from flows.speedrun import speedrun
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            PROGRESS.append(record.getMessage())
 
     root = tmp_path_factory.mktemp("artifacts")
     overrides = SMALL + [f"artifact_root={root}", "control.enabled=true"]
-    return root, overrides, speedrun(preset="tiny", overrides=overrides)
+    said, logger = Lines(), logging.getLogger("trainer.progress")
+    logger.addHandler(said)
+    try:
+        return root, overrides, speedrun(preset="tiny", overrides=overrides)
+    finally:
+        logger.removeHandler(said)
 
 
 def test_the_dry_run_has_the_keys_of_the_run(first_run):
@@ -103,6 +117,21 @@ def test_speedrun_runs_every_stage_and_commits_manifests(first_run):
         assert ev["metrics"]["eval/n"] == 40 and ev["metrics"]["eval/seen_n"] == 500
         assert head[f"{name}_seen_accuracy"] == ev["metrics"]["eval/seen_accuracy"]
     assert (root / "runs" / result["mlflow_run_id"] / "config.yaml").is_file()
+
+
+def test_each_stage_names_itself_in_its_progress(first_run):
+    """Off a terminal each stage's progress lines say which stage, and which of its evals, they count:
+    the eval stages as the summary names them, GRPO's periodic evals by round, the control as itself."""
+    _, _, result = first_run
+    control_steps = int(next(s for s in result["stages"] if s["stage"] == "control")["metrics"]["control/steps"])
+    ends = [line.split(", ")[0] for line in PROGRESS if "(100%)" in line]  # each bar's last line
+    assert ends == ["sft: 12/12 steps (100%)",
+                    "eval (sft) held-out: 40/40 answers (100%)", "eval (sft) seen: 500/500 answers (100%)",
+                    "round 2 eval: 10/10 answers (100%)", "round 2 pass@2: 20/20 answers (100%)",
+                    "round 4 eval: 10/10 answers (100%)", "round 4 pass@2: 20/20 answers (100%)",
+                    "eval (grpo) held-out: 40/40 answers (100%)", "eval (grpo) seen: 500/500 answers (100%)",
+                    f"control: {control_steps}/{control_steps} steps (100%)",
+                    "eval (control) held-out: 40/40 answers (100%)", "eval (control) seen: 500/500 answers (100%)"], PROGRESS
 
 
 def test_control_is_sft_continued_for_grpo_time(first_run):

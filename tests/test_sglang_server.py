@@ -15,6 +15,7 @@ diverged; that is why the launcher passes the policy's dtype.)
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -292,7 +293,7 @@ def test_hf_engine_and_sglang_agree_on_the_same_weights(servers, base_model, tin
     assert [g.text for g in sg] == [tiny_tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in sg]
 
 
-def test_an_eval_through_sglang_gives_the_hf_evals_answers(servers, base_model, tiny_tokenizer):
+def test_an_eval_through_sglang_gives_the_hf_evals_answers(servers, base_model, tiny_tokenizer, caplog):
     """rollout.engine: sglang evaluates through the servers (the grpo stage's periodic evals and the
     eval stage): the same prompts, greedy, the same limit, so the same rows as HF generate's eval."""
     from trainer.config import EvalConfig
@@ -304,11 +305,50 @@ def test_an_eval_through_sglang_gives_the_hf_evals_answers(servers, base_model, 
         {"role": "assistant", "content": f"#### {2 * i + 3}"}]} for i in range(10)]
     cfg = EvalConfig(max_new_tokens=20, batch_size=4)
     hf = evaluate(model, tiny_tokenizer, examples, cfg)
-    sg = evaluate(None, tiny_tokenizer, examples, cfg, engine=servers)
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    sg = evaluate(None, tiny_tokenizer, examples, cfg, engine=servers, label="eval (grpo) held-out")
     assert len({r["response"] for r in hf.rows}) > 1  # the answers differ between problems: a real comparison
     keys = ("id", "response", "predicted", "correct", "correct_flexible", "response_tokens", "finish_reason")
     assert [{k: r[k] for k in keys} for r in sg.rows] == [{k: r[k] for k in keys} for r in hf.rows]
     assert (sg.accuracy, sg.flexible_accuracy, sg.format_rate) == (hf.accuracy, hf.flexible_accuracy, hf.format_rate)
+    # its progress, counted as the servers answer (the eval's answers are several requests a server)
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.progress"]
+    assert len(said) == 1 and said[0].startswith("eval (grpo) held-out: 10/10 answers (100%), "), said
+
+
+def test_a_counted_call_is_answered_in_pieces_with_the_same_generations(servers, tiny_tokenizer):
+    """With a progress bar, each server's prompts go as several requests at once (counted as each is
+    answered); the answers, their order and each prompt's seed are those of the one-request-a-server
+    call. Greedy: SGLang's CPU sampling does not repeat itself from a seed, so only greedy answers
+    can be compared call to call."""
+    from trainer.inference.engines import SamplingParams
+
+    prompts = [p for p in prompts_for(tiny_tokenizer, 9) for _ in range(3)]  # 27 prompts, groups of 3
+    params = SamplingParams(12, temperature=0.0, seed=5)
+    counts: list[int] = []
+
+    class Bar:
+        def update(self, n: int = 1) -> None:
+            counts.append(n)
+
+    sent: list[dict] = []
+    post = servers._session.post
+
+    def recording(url, json=None, **kw):
+        sent.append(json)
+        return post(url, json=json, **kw)
+
+    whole = servers.generate(prompts, params)
+    servers._session.post = recording
+    try:
+        pieces = servers.generate(prompts, params, progress=Bar())
+    finally:
+        servers._session.post = post
+    assert [(g.token_ids, g.finish_reason) for g in pieces] == [(g.token_ids, g.finish_reason) for g in whole]
+    assert len({tuple(g.token_ids) for g in whole}) > 1  # the answers differ between prompts: a real comparison
+    assert sum(counts) == len(prompts) and len(counts) == len(sent) > len(servers.servers), counts
+    seeds = {(tuple(ids), sp["sampling_seed"]) for body in sent for ids, sp in zip(body["input_ids"], body["sampling_params"])}
+    assert seeds == {(tuple(p), 5 + i) for i, p in enumerate(prompts)}
 
 
 def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, base_model, tiny_tokenizer, tmp_path):

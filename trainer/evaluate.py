@@ -47,23 +47,24 @@ class EvalResult:
 
 
 def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
-             engine=None, environment=None) -> EvalResult:
+             engine=None, environment=None, label: str = "eval") -> EvalResult:
     """Greedy answers to `examples`, from `model` in this process, or from a rollout engine (an
     SGLang one: the same prompts, greedy, the same token limit) when `engine` is given. With
     `environment` (a `trainer.config.EnvironmentConfig` naming a multi-turn one) each answer is a
-    greedy episode with the environment's tools, at most max_new_tokens a turn."""
+    greedy episode with the environment's tools, at most max_new_tokens a turn. `label` names the
+    eval in its progress (`eval (sft) held-out: 300/1000 answers ...`)."""
     examples = examples[: cfg.max_examples] if cfg.max_examples else examples
     t0 = time.perf_counter()
     if environment is not None and environment.multi_turn:
-        return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0)
+        return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0, label)
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
-    over = _over_context(model, prompts) if engine is None else 0
-    if engine is not None:
-        from trainer.inference.engines import SamplingParams
+    over = _over_context(model, prompts, label) if engine is None else 0
+    with progress_bar(label, total=len(prompts), unit="answers") as bar:
+        if engine is not None:
+            from trainer.inference.engines import SamplingParams
 
-        gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0))
-    else:
-        with progress_bar("eval", total=len(prompts), unit="answers") as bar:
+            gens = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, temperature=0.0), progress=bar)
+        else:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
     result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)
@@ -71,29 +72,32 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
     return result
 
 
-def _over_context(model: torch.nn.Module, prompts: list[list[int]]) -> int:
+def _over_context(model: torch.nn.Module, prompts: list[list[int]], label: str) -> int:
     """How many prompts the model cannot answer (generate gives them no token, so they score
     wrong), said in the log with the fix."""
     over = len(over_context(model, prompts))
     if over:
-        log.warning("eval: %d of %d prompts are %d tokens or longer, the model's whole context (the longest: %d "
+        log.warning("%s: %d of %d prompts are %d tokens or longer, the model's whole context (the longest: %d "
                     "tokens, chat template and data.system_prompt included): they get no answer and score wrong. "
                     "Raise model.max_position (a model built from its config; sft.max_length too, so that SFT "
-                    "trains on whole answers), or use shorter problems", over, len(prompts), context_of(model),
+                    "trains on whole answers), or use shorter problems", label, over, len(prompts), context_of(model),
                     max(map(len, prompts)))
     return over
 
 
-def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float) -> EvalResult:
+def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float,
+                       label: str) -> EvalResult:
     from trainer.inference.engines import HFEngine, SamplingParams
     from trainer.rl.envs import environment_of
     from trainer.rl.multiturn import Observations, play, tool_use
 
     env = environment_of(environment)
     engine = engine or HFEngine(model, tok, cfg.batch_size)
-    trajs = play(engine, tok, [env.reset(ex) for ex in examples], SamplingParams(cfg.max_new_tokens, temperature=0.0),
-                 environment.max_turns, environment.token_budget(cfg.max_new_tokens), Observations(tok),
-                 environment.describe_tools)
+    with progress_bar(label, total=len(examples), unit="episodes") as bar:
+        trajs = play(engine, tok, [env.reset(ex) for ex in examples],
+                     SamplingParams(cfg.max_new_tokens, temperature=0.0), environment.max_turns,
+                     environment.token_budget(cfg.max_new_tokens), Observations(tok), environment.describe_tools,
+                     progress=bar)
     answers = [("\n".join(t.texts), sum(t.mask), t.reason,
                 {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                  "turns": sum(x["role"] == "assistant" for x in t.turns)}) for t in trajs]

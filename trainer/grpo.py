@@ -32,6 +32,7 @@ from trainer.rl import losses
 from trainer.inference.cuda import fuse_norms
 from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
 from trainer.inference.generate import context_of
+from trainer.progress import progress_bar
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
 from trainer.rl.rewards import RewardMix
@@ -485,14 +486,17 @@ class GRPOTrainer:
         env = self.cfg.rollout.environment
         policy = lora.inner(self.ds.module)
         with lora.merged(policy, self.merge and served is None):
-            greedy = evaluate(policy, self.tok, examples, ecfg, engine=served, environment=env)
+            greedy = evaluate(policy, self.tok, examples, ecfg, engine=served, environment=env,
+                              label=f"round {self.round} eval")
         metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
                    "eval/format_rate": greedy.format_rate, **{f"eval/{k}": v for k, v in greedy.tools.items()}}
         if g.pass_k > 1 and not env.multi_turn:  # pass@k samples single answers
             prompts = [encode_prompt(self.tok, prompt_messages(ex)) for ex in examples]
             params = SamplingParams(self.cfg.eval.max_new_tokens, self.cfg.rollout.temperature, self.cfg.rollout.top_p,
                                     seed=self.cfg.seed + 17 * self.round)
-            gens = self.engine.generate([p for p in prompts for _ in range(g.pass_k)], params)
+            with progress_bar(f"round {self.round} pass@{g.pass_k}", total=len(prompts) * g.pass_k,
+                              unit="answers") as bar:
+                gens = self.engine.generate([p for p in prompts for _ in range(g.pass_k)], params, progress=bar)
             hits = 0
             for i, ex in enumerate(examples):
                 chunk = gens[i * g.pass_k : (i + 1) * g.pass_k]

@@ -193,10 +193,12 @@ def train_sft(
     work_dir: str | Path,
     logger: MetricLogger | None = None,
     fault_at_step: int | None = None,
+    label: str = "sft",
 ) -> tuple[Any, SFTResult]:
     """Train; resumes from the newest committed checkpoint under `work_dir/checkpoints`.
 
-    Returns (DeepSpeed engine, result). `fault_at_step` raises after that step (tests)."""
+    Returns (DeepSpeed engine, result). `fault_at_step` raises after that step (tests); `label`
+    names the training in its progress."""
     s = cfg.sft
     logger = logger if ds.rank() == 0 and logger is not None else NullLogger()
     ds.fp32_matmul(cfg.model.tf32)
@@ -245,7 +247,7 @@ def train_sft(
     order = epoch_order(len(data), cfg.seed, epoch)
     loss_value, t0, tok_t0 = float("nan"), time.perf_counter(), 0
     engine.train()
-    with progress_bar("sft", total=total, completed=step, enabled=rank == 0, unit="steps") as bar:
+    with progress_bar(label, total=total, completed=step, enabled=rank == 0, unit="steps") as bar:
         while step < total:
             if s.max_seconds is not None and ds.any_rank(seconds_before + time.perf_counter() - t0 > s.max_seconds):
                 log.warning("sft: stopping at step %d of %d: max_seconds=%s reached", step, total, s.max_seconds)
