@@ -279,4 +279,5 @@ def test_json_to_standard_output_holds_the_result_alone(tmp_path, migrated_store
     assert [s["stage"] for s in result["stages"]] == ["prepare_data", "tokenizer", "sft"]
     assert "posttrain summary" in proc.stderr and "Setting accelerator to CPU" in proc.stderr
     assert "sft: 2/2 steps (100%)" in proc.stderr  # progress off a terminal: log lines, the last when it ends
+    assert "Writing model shards" not in proc.stderr  # and not transformers' bars, debris in a log
     assert not (ROOT / "-").exists() and not (tmp_path / "-").exists()
