@@ -351,6 +351,39 @@ def test_a_counted_call_is_answered_in_pieces_with_the_same_generations(servers,
     assert seeds == {(tuple(p), 5 + i) for i, p in enumerate(prompts)}
 
 
+def test_prompts_near_or_past_the_context_are_answered_not_refused(servers, base_model, tiny_tokenizer, caplog):
+    """SGLang refuses a whole request (HTTP 400) with one prompt past its limit (the model's 256
+    positions less 6), or one whose prompt and max_new_tokens pass the context. The engine reads the
+    servers' limit; a prompt past it gets no token ("length", as the in-process engine answers one
+    that fills the context), one near it as many tokens as are left, and the rest of the call is
+    answered as it would be alone. The eval counts the first kind and says so, as in process."""
+    from trainer.config import EvalConfig
+    from trainer.evaluate import evaluate
+    from trainer.inference.engines import SamplingParams
+
+    assert servers.prompt_limit == 256 - 6  # GET /get_server_info's max_req_input_len
+    short = prompts_for(tiny_tokenizer, 3)
+    filler = tiny_tokenizer.encode(" cups" * 400, add_special_tokens=False)
+    near = (filler + short[0])[-(servers.prompt_limit - 5):]  # 245 tokens: 9 positions left, not 20
+    past = (filler * 3)[:1800]
+    params = SamplingParams(20, temperature=0.0, min_new_tokens=12)
+    alone = servers.generate(short, params)
+    got = servers.generate([short[0], past, near, short[1], short[2]], params)
+    assert got[1].token_ids == [] and got[1].finish_reason == "length" and got[1].prompt_ids == past
+    assert 0 < len(got[2].token_ids) <= 9 and got[2].finish_reason == "length"
+    assert [g.token_ids for g in (got[0], got[3], got[4])] == [g.token_ids for g in alone]
+    examples = [{"id": f"q{i}", "answer": "7", "messages": [{"role": "user", "content": q},
+                                                            {"role": "assistant", "content": "#### 7"}]}
+                for i, q in enumerate(["Ann has 3 cups. She buys 4 more. How many?", "cups " * 300])]
+    caplog.set_level(logging.WARNING, logger="trainer.evaluate")
+    result = evaluate(None, tiny_tokenizer, examples, EvalConfig(max_new_tokens=20), engine=servers,
+                      label="eval (grpo) held-out")
+    assert result.over_context == 1 and result.rows[1]["response"] == "" and not result.rows[1]["correct"]
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.evaluate"]
+    assert len(said) == 1 and said[0].startswith("eval (grpo) held-out: 1 of 2 prompts are 250 tokens or longer, "
+                                                 "more than the SGLang servers take"), said
+
+
 def test_min_new_tokens_reaches_the_server_and_matches_the_hf_engine(servers, base_model, tiny_tokenizer, tmp_path):
     """`min_new_tokens` (rollout.min_response_tokens) holds EOS back in SGLang's own sampler as in
     the in-process engine. The servers get a copy of the model whose EOS row is its most frequent
@@ -575,6 +608,7 @@ def test_weight_sync_after_a_grpo_update_serves_the_new_policy(servers, base_mod
     before = greedy(servers, prompts)
     shm = torch_shm_files()
     trainer = _trainer(tmp_path, tiny_tokenizer, AutoModelForCausalLM.from_pretrained(str(path)), servers)
+    assert trainer.manager.context == servers.prompt_limit < 256  # rollouts plan within what SGLang takes
     try:
         batch = trainer.score(trainer.rollout())
         stats = trainer.update(batch)

@@ -20,7 +20,7 @@ from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
 from trainer.data import prompt_messages, question_of
-from trainer.inference.generate import context_of, generate, over_context
+from trainer.inference.generate import context_of, generate, too_long
 from trainer.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EvalResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     flexible_accuracy: float = float("nan")
     tools: dict[str, float] = field(default_factory=dict)  # multi-turn: tool calls and successes
-    over_context: int = 0  # prompts as long as the model's context: no answer, scored wrong
+    over_context: int = 0  # prompts as long as the model's context (or SGLang's limit): no answer, scored wrong
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         return {f"{prefix}accuracy": self.accuracy, f"{prefix}flexible_accuracy": self.flexible_accuracy,
@@ -58,7 +58,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
     if environment is not None and environment.multi_turn:
         return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0, label)
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
-    over = _over_context(model, prompts, label) if engine is None else 0
+    over = _over_context(model, prompts, label, engine)
     with progress_bar(label, total=len(prompts), unit="answers") as bar:
         if engine is not None:
             from trainer.inference.engines import SamplingParams
@@ -72,16 +72,20 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
     return result
 
 
-def _over_context(model: torch.nn.Module, prompts: list[list[int]], label: str) -> int:
-    """How many prompts the model cannot answer (generate gives them no token, so they score
-    wrong), said in the log with the fix."""
-    over = len(over_context(model, prompts))
+def _over_context(model: torch.nn.Module | None, prompts: list[list[int]], label: str, engine=None) -> int:
+    """How many prompts get no answer, as too long for the model's context (or for what the
+    engine's servers take: `prompt_limit`), so score wrong; said in the log with the fix."""
+    if engine is None:
+        limit, what = context_of(model), "the model's whole context"
+    else:
+        limit = getattr(engine, "prompt_limit", None)
+        what = "more than the SGLang servers take (the model's context, less what SGLang keeps back)"
+    over = len(too_long(prompts, limit))
     if over:
-        log.warning("%s: %d of %d prompts are %d tokens or longer, the model's whole context (the longest: %d "
-                    "tokens, chat template and data.system_prompt included): they get no answer and score wrong. "
-                    "Raise model.max_position (a model built from its config; sft.max_length too, so that SFT "
-                    "trains on whole answers), or use shorter problems", label, over, len(prompts), context_of(model),
-                    max(map(len, prompts)))
+        log.warning("%s: %d of %d prompts are %d tokens or longer, %s (the longest: %d tokens, chat template and "
+                    "data.system_prompt included): they get no answer and score wrong. Raise model.max_position "
+                    "(a model built from its config; sft.max_length too, so that SFT trains on whole answers), or "
+                    "use shorter problems", label, over, len(prompts), limit, what, max(map(len, prompts)))
     return over
 
 

@@ -97,8 +97,12 @@ class GRPOTrainer:
             self.reference.to(self.ds.device)
         self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size, merge=self.merge)
         self.rewards = RewardMix.from_specs(g.rewards)
+        # the longest prompt + 1 the policy can answer: its context, or less where SGLang's servers take less
+        context, served = context_of(lora.inner(self.ds.module)), getattr(self.engine, "prompt_limit", None)
+        if served is not None:
+            context = served if context is None else min(context, served)
         self.manager = RolloutManager(cfg.rollout, train, tok, self.engine, self.rewards, cfg.seed, g.on_bad_reward,
-                                      context=context_of(lora.inner(self.ds.module)))
+                                      context=context)
         # async rounds (rollout.async_steps = k): batches generated beside the update by a producer,
         # each from the policy k versions behind the one it trains (trainer.rl.async_rollout)
         self.async_steps = cfg.rollout.async_steps

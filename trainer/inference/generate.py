@@ -110,10 +110,15 @@ def context_of(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def too_long(prompts: list[list[int]], limit: int | None) -> set[int]:
+    """The prompts (indices) of `limit` tokens or more (none without a limit): those an engine
+    answers with no token, finish reason "length"."""
+    return {i for i, p in enumerate(prompts) if len(p) >= limit} if limit is not None else set()
+
+
 def over_context(model: torch.nn.Module, prompts: list[list[int]]) -> set[int]:
     """The prompts (indices) that fill the model's context: no position is left for a new token."""
-    context = context_of(model)
-    return {i for i, p in enumerate(prompts) if len(p) >= context} if context is not None else set()
+    return too_long(prompts, context_of(model))
 
 
 @torch.no_grad()

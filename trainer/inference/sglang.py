@@ -44,7 +44,7 @@ import requests
 
 from trainer.config import SGLangConfig
 from trainer.errors import InputError
-from trainer.inference.generate import Generation
+from trainer.inference.generate import Generation, too_long
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +353,9 @@ class SGLangEngine:
         self.tensor_sync, self.tp_size = tensor_sync, tp_size
         self._session = requests.Session()
         self.relaunched = 0  # launched servers started again because their port was taken (wait_healthy)
+        # the servers' longest prompt + 1 (SGLang's max_req_input_len: the model's context, or its KV
+        # pool, less 6), read once they are healthy; None: not known, every prompt is sent as it is
+        self.prompt_limit: int | None = None
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, model_path: str, tok, dtype: str = "bfloat16") -> "SGLangEngine":
@@ -427,6 +430,24 @@ class SGLangEngine:
         except BaseException:
             self.close()
             raise
+        self.prompt_limit = self._read_prompt_limit()
+
+    def _read_prompt_limit(self) -> int | None:
+        """The smallest `max_req_input_len` the servers report (GET /get_server_info): SGLang refuses
+        a prompt that long or longer, and a request whose prompt and max_new_tokens pass the model's
+        context. None where a server does not say (another SGLang version)."""
+        limits = []
+        for s in self.servers:
+            try:
+                info = self._session.get(f"{s.url}/get_server_info", timeout=10).json()
+            except (requests.RequestException, ValueError):
+                return None
+            limit = info.get("max_req_input_len") if isinstance(info, dict) else None
+            if not isinstance(limit, int) or limit <= 0:
+                log.info("SGLang server %s does not report max_req_input_len: prompts go as they are", s.url)
+                return None
+            limits.append(limit)
+        return min(limits)
 
     def _post(self, server: _Server, path: str, payload: dict) -> tuple[int, object]:
         """(status, parsed body). Raises SGLangError if the server is dead, unreachable or times out."""
@@ -451,16 +472,24 @@ class SGLangEngine:
         once, counted as each is answered; without, one request a server."""
         if not prompts:
             return []
-        shards = route(prompts, len(self.servers))
+        out: list[Generation | None] = [None] * len(prompts)
+        # A prompt the servers would refuse gets no token ("length", as the in-process engines answer
+        # one that fills the model's context); the others are sent.
+        for i in too_long(prompts, self.prompt_limit):
+            out[i] = Generation(prompt_ids=prompts[i], token_ids=[], logprobs=[], text="", finish_reason="length")
+        refused = len(prompts) - out.count(None)
+        if progress is not None and refused:
+            progress.update(refused)
+        shards = route(prompts, len(self.servers), skip=out)
         pieces = [(k, piece) for k, idx in enumerate(shards)
                   for piece in _split(idx, PROGRESS_PIECES if progress is not None else 1) if piece]
 
         def sampling(i: int) -> dict:
             # one seed per sample: with a shared seed the n samples of a group would be identical
             # wherever SGLang honours seeds (see README, "Reproducibility")
-            sp = {"temperature": params.temperature, "top_p": params.top_p,
-                  "max_new_tokens": params.max_new_tokens, "min_new_tokens": params.min_new_tokens,
-                  "skip_special_tokens": True}
+            room = self._room(len(prompts[i]), params.max_new_tokens)
+            sp = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": room,
+                  "min_new_tokens": min(params.min_new_tokens, room), "skip_special_tokens": True}
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed + i
             if params.stop:  # SGLang keeps the tokens that complete a stop string in output_ids, as we do
@@ -479,10 +508,11 @@ class SGLangEngine:
                 raise SGLangError(f"SGLang server {server.url} returned {len(reply)} results for {len(idx)} prompts")
             return [parse_generation(r, prompts[i], self.tok, server.url) for i, r in zip(idx, reply)]
 
+        if not pieces:
+            return out  # type: ignore[return-value]
         # the first failing request fails the call at once, without waiting for the others' replies
         pool = ThreadPoolExecutor(len(pieces))
         futures = {pool.submit(run, k, idx): idx for k, idx in pieces}
-        out: list[Generation | None] = [None] * len(prompts)
         try:
             for fut in as_completed(futures):
                 for i, g in zip(futures[fut], fut.result()):
@@ -492,6 +522,15 @@ class SGLangEngine:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return out  # type: ignore[return-value]
+
+    def _room(self, prompt_len: int, max_new_tokens: int) -> int:
+        """max_new_tokens for a prompt: what SGLang's scheduler grants it anyway (max_req_len -
+        prompt - 1, max_req_len = max_req_input_len + 5), asked for outright, so that its
+        tokenizer's check (prompt + max_new_tokens within the context) does not refuse the request:
+        a response near the context's end is cut there ("length"), as in this process."""
+        if self.prompt_limit is None:
+            return max_new_tokens
+        return max(0, min(max_new_tokens, self.prompt_limit + 4 - prompt_len))
 
     def update_weights(self, model_dir: str | None) -> None:
         """Every server loads the model folder `model_dir`. Raises SGLangError naming the server
@@ -588,13 +627,16 @@ def _split(idx: list[int], n: int) -> list[list[int]]:
     return [idx[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def route(prompts: list[list[int]], n_servers: int) -> list[list[int]]:
+def route(prompts: list[list[int]], n_servers: int, skip: list | None = None) -> list[list[int]]:
     """Each server's share of the prompts, as indices in prompt order: every copy of a prompt (a
     group's samples) goes to one server, which prefills it once and serves the rest from its prefix
-    cache; distinct prompts go round-robin, in order of first appearance."""
+    cache; distinct prompts go round-robin, in order of first appearance. Prompts whose `skip`
+    entry is set (already answered) go nowhere."""
     server_of: dict[tuple[int, ...], int] = {}
     shards: list[list[int]] = [[] for _ in range(n_servers)]
     for i, p in enumerate(prompts):
+        if skip is not None and skip[i] is not None:
+            continue
         k = server_of.setdefault(tuple(p), len(server_of) % n_servers)
         shards[k].append(i)
     return shards
