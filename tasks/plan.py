@@ -68,7 +68,7 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
     elif model and not (path / "config.json").is_file():
         problems.append(f"{field}: {ref!r} is not a model folder (no config.json); point it at a save_pretrained folder")
     elif not model and path.is_dir():
-        problems.append(f"{field}: {ref!r} is a folder; point it at one .jsonl, .json or .parquet file")
+        problems.append(f"{field}: {ref!r} is a folder; point it at one .jsonl, .json, .parquet or .csv file")
     elif not model and not path.is_file():
         problems.append(f"{field}: {ref!r} does not exist (relative paths are from {Path.cwd()}); fix the path")
     elif not model and not path.stat().st_size:

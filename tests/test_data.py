@@ -188,7 +188,7 @@ def test_malformed_row_names_file_row_and_field(tmp_path):
 
 
 @pytest.mark.parametrize("make, named", [
-    (lambda tmp: tmp, "is a folder; point it at one .jsonl, .json or .parquet file"),
+    (lambda tmp: tmp, "is a folder; point it at one .jsonl, .json, .parquet or .csv file"),
     (lambda tmp: _write(tmp / "empty.jsonl", []), "is empty; it needs rows"),
     (lambda tmp: (tmp / "blank.jsonl").write_text("\n\n  \n") and str(tmp / "blank.jsonl"),
      "has no rows (only blank lines)"),
@@ -293,6 +293,47 @@ def test_real_gsm8k_sample():
     assert data.train[0]["id"] == "train-1" and data.test[19]["id"] == "test-20"
     assert data.train[0]["answer"] == "72"
     assert "<<48/2=24>>" in data.train[0]["messages"][-1]["content"]  # kept by default
+
+
+def _gsm8k_as(path: Path, n: int, sep: str = ",", encoding: str = "utf-8") -> str:
+    """The first n rows of real GSM8K written as CSV (or TSV): answers span several lines, quoted."""
+    import csv
+
+    rows = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines()[:n]]
+    with open(path, "w", newline="", encoding=encoding) as fh:
+        writer = csv.DictWriter(fh, fieldnames=["question", "answer"], delimiter=sep)
+        writer.writeheader()
+        writer.writerows({"question": r["question"], "answer": r["answer"]} for r in rows)
+    return str(path)
+
+
+def test_csv_and_tsv_files_give_the_examples_the_jsonl_does(tmp_path):
+    """Real GSM8K as .csv, .tsv and a spreadsheet's UTF-8 export (a byte-order mark before the
+    header): the same examples, ids included, as from its JSON Lines file."""
+    jsonl = str(GSM8K / "train.jsonl")
+    want = prepare(DataConfig(source="files", train=jsonl, test=jsonl, max_train=40, max_test=40), seed=0)
+    for path in (_gsm8k_as(tmp_path / "g.csv", 40), _gsm8k_as(tmp_path / "g.tsv", 40, "\t"),
+                 _gsm8k_as(tmp_path / "excel.csv", 40, encoding="utf-8-sig")):
+        got = prepare(DataConfig(source="files", train=path, test=path), seed=0)
+        assert (got.train, got.test) == (want.train, want.test), path
+    assert "\n" in want.train[0]["messages"][-1]["content"]  # a multi-line answer came through whole
+    numbers = tmp_path / "numbers.csv"  # cells are text: an answer column of bare numbers is named as such
+    numbers.write_text("question,answer\nWhat is 2+2?,4\n")
+    with pytest.raises(DataError, match=r"numbers.csv row 1: field 'answer' has no final answer"):
+        prepare(DataConfig(source="files", train=str(numbers), test=str(numbers)), seed=0)
+
+
+@pytest.mark.parametrize("text, named", [
+    ('question,answer\n"a","b #### 1"\nx,y,z\n', "bad.csv line 3: 3 fields where the header names 2; fix the file"),
+    ('question,answer\n"a","b #### 1\nx,y\n', "bad.csv line 3: not CSV (unexpected end of data); fix the file"),
+    ("question,answer\n", "'{path}' has a header row and no rows"),
+    ("\nWhat?,#### 4\n", "bad.csv has no header row on its first line"),
+])
+def test_a_csv_file_that_cannot_be_read_is_named_by_line(tmp_path, text, named):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=re.escape(named.format(path=path))):
+        prepare(DataConfig(source="files", train=str(path), test=str(path)), seed=0)
 
 
 def test_ids_do_not_depend_on_where_the_file_lives(tmp_path):

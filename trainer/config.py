@@ -77,7 +77,7 @@ class Fields(Strict):
 class DataConfig(Strict):
     source: Literal["synthetic", "files", "hub"] = "synthetic"
     synthetic: SyntheticData = Field(default_factory=SyntheticData)
-    train: str | None = Field(None, description="train file: local path or s3:// URI (jsonl/json/parquet)")
+    train: str | None = Field(None, description="train file: local path or s3:// URI (jsonl/json/parquet/csv/tsv)")
     test: str | None = Field(None, description="test file; if unset, test_size rows are split off train")
     hub_name: str | None = Field(None, description="datasets hub name, e.g. openai/gsm8k")
     hub_config: str | None = None

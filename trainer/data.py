@@ -2,7 +2,7 @@
 
 Every example becomes {"id", "messages": [system?, user, assistant], "answer"} where "answer" is
 the gold final answer (the text after `####`). Real data comes through `datasets` from local
-jsonl/json/parquet, an `s3://` URI (s3fs), or a hub name. A malformed row raises `DataError`
+jsonl/json/parquet/csv/tsv, an `s3://` URI (s3fs), or a hub name. A malformed row raises `DataError`
 naming the file, row and field, or is skipped and counted when `on_bad_row: skip`.
 """
 
@@ -13,7 +13,7 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from trainer.config import DataConfig, SyntheticData
 from trainer.errors import InputError
@@ -213,7 +213,10 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
     problem = _not_a_rows_file(path)
     if problem:
         raise DataError(f"data.{which}: {path!r} {problem}")
-    fmt = "parquet" if path.endswith(".parquet") else "json"
+    name = path.lower()
+    if name.endswith((".csv", ".tsv")):
+        return path, _csv_rows(path, which, "\t" if name.endswith(".tsv") else ",")
+    fmt = "parquet" if name.endswith(".parquet") else "json"
     try:
         ds = datasets.load_dataset(fmt, data_files={which: path}, split=which,
                                    storage_options=_storage_options(path))
@@ -227,8 +230,42 @@ def _load_rows(cfg: DataConfig, which: str) -> tuple[str, Iterable[dict[str, Any
             raise DataError(f"data.{which}: {path!r} has no rows (only blank lines); it needs rows (a .jsonl "
                             "file holds one JSON object per line)") from None
         raise DataError(f"data.{which}: could not read {path!r} as {fmt}: {cause}; "
-                        "use jsonl (one JSON object per line), json or parquet") from None
+                        "use jsonl (one JSON object per line), json, parquet or csv") from None
     return path, ds
+
+
+def _csv_rows(path: str, which: str, sep: str) -> Iterator[dict[str, str]]:
+    """The rows of a CSV (or, with a tab as `sep`, TSV) file with a header row, as dicts of text
+    (a column of numbers, or an id, stays as written), read as they are used. A row whose field
+    count differs from the header's, or a quote left open, stops with its line number and the fix;
+    blank lines are skipped; a byte-order mark (a spreadsheet's export) is not part of a name."""
+    import csv
+
+    from trainer.storage import fs_for
+
+    kind = "TSV" if sep == "\t" else "CSV"
+    fix = (f"fix the file: a header row naming the columns, then one row per problem, text that holds "
+           f"{'a tab' if sep == chr(9) else 'a comma'}, a quote or a line break in double quotes")
+    fs, p = fs_for(path)
+    with fs.open(p, "r", encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh, delimiter=sep, strict=True)
+        try:
+            header = next(reader, None)
+            if not header or not any(h.strip() for h in header):
+                raise DataError(f"data.{which}: {path} has no header row on its first line; {fix}")
+            n = 0
+            for fields in reader:
+                if not fields:
+                    continue
+                if len(fields) != len(header):
+                    raise DataError(f"data.{which}: {path} line {reader.line_num}: {len(fields)} fields where the "
+                                    f"header names {len(header)}; {fix}")
+                n += 1
+                yield dict(zip(header, fields))
+        except csv.Error as exc:
+            raise DataError(f"data.{which}: {path} line {reader.line_num}: not {kind} ({exc}); {fix}") from None
+    if not n:
+        raise DataError(f"data.{which}: {path!r} has a header row and no rows; it needs rows")
 
 
 ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's answer, as the calculator's episodes have
@@ -255,7 +292,7 @@ def _not_a_rows_file(path: str) -> str | None:
 
     fs, p = fs_for(path)
     if fs.isdir(p):
-        return "is a folder; point it at one .jsonl, .json or .parquet file"
+        return "is a folder; point it at one .jsonl, .json, .parquet or .csv file"
     if not fs.size(p):
         return "is empty; it needs rows (a .jsonl file holds one JSON object per line)"
     return None
