@@ -212,7 +212,7 @@ def test_sigkill_at_a_random_point_of_an_async_run_then_rerun_is_exact(tmp_path,
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
-            while b"round 1:" not in log.read_bytes() and proc.poll() is None and time.monotonic() < deadline:
+            while b"round 1/" not in log.read_bytes() and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(delay)
         finally:

@@ -179,6 +179,10 @@ def test_a_multi_turn_grpo_stage_resumes_to_the_uninterrupted_runs_weights(tiny_
     assert full.history[-1]["rollout/turns_mean"] > 2 and full.history[-1]["update/optimizer_steps"] == 2
     said = [r.getMessage() for r in caplog.records]
     assert [m for m in said if m.startswith("round 4 eval: 2/2 episodes (100%), ")], said
+    assert [m.split(":")[0] for m in said if m.startswith("round ") and ": reward " in m] == [
+        "round 1/4", "round 2/4", "round 3/4", "round 4/4"]  # and how long the rest should take
+    assert all(", about 0:" in m for m in said if m.startswith(("round 1/4:", "round 3/4:"))), said
+    assert not [m for m in said if m.startswith("round 4/4:") and " left" in m], said
     line = next(m for m in said if m.startswith("round 4 eval: accuracy "))
     assert " format_rate " in line and " turns_mean " in line and line.endswith("s)"), line
     first = trainer(tmp_path / "crash")

@@ -70,3 +70,21 @@ def test_off_a_terminal_the_bar_logs_its_end_and_not_after_a_failure(caplog):
     with progress_bar("sft", total=3, enabled=False) as bar:  # ranks other than 0
         bar.update(3)
     assert len(lines(caplog)) == 1
+
+
+def test_a_rounds_line_says_how_long_the_rest_should_take():
+    """GRPO's round line ends with the rounds left at this run's pace: a run resumed at round 10 of
+    30 that took 50 s for its 5 rounds has 15 left, 2:30; grpo.max_seconds caps it; none after the last."""
+    import time
+    from types import SimpleNamespace
+
+    from trainer.loop import time_left
+
+    def trainer(round_, max_seconds=None, spent=0.0):
+        grpo = SimpleNamespace(rounds=30, max_seconds=max_seconds)
+        return SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), round=round_, resumed_from=10,
+                               started=time.perf_counter() - 50.0, elapsed=lambda: spent)
+
+    assert time_left(trainer(15)) == ", about 2:30 left"
+    assert time_left(trainer(15, max_seconds=100.0, spent=60.0)) == ", about 0:40 left"
+    assert time_left(trainer(30)) == "" and time_left(trainer(10)) == ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainer import faults
@@ -67,10 +68,10 @@ def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = No
     stats = call("update", r, lambda b: trainer.publish(trainer.update(b)), batch)
     if follow is not None:
         follow()
-    say.info("round %d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs", r,
-             stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
+    say.info("round %d/%d: reward %.3f  acc %.3f  groups %d used / %d filtered  %.2fs%s", r,
+             trainer.cfg.grpo.rounds, stats.get("reward/mean", math.nan), stats.get("rollout/accuracy", math.nan),
              stats.get("rollout/groups_used", 0), stats.get("rollout/groups_filtered", 0),
-             stats.get("time/round_seconds", math.nan))
+             stats.get("time/round_seconds", math.nan), time_left(trainer))
     faults.check("grpo_after_update", r, fault)
     if trainer.round % trainer.cfg.grpo.sample_table_every == 0:
         trainer.logger.log_table(trainer.sample_table(batch), f"rollouts/round_{r:04d}.json")
@@ -82,6 +83,22 @@ def run_round(trainer: GRPOTrainer, call: Call = direct, fault: dict | None = No
         call("checkpoint", r, trainer.save)
     faults.check("grpo_round", r, fault)
     return stats
+
+
+def time_left(trainer: GRPOTrainer) -> str:
+    """`, about 4:10 left`: the stage's rounds still to run at this run's pace so far (its evals and
+    checkpoints included; rounds resumed from are not its pace), within grpo.max_seconds; "" after
+    the last round."""
+    from trainer.progress import duration
+
+    g = trainer.cfg.grpo
+    ran, left = trainer.round - (trainer.resumed_from or 0), g.rounds - trainer.round
+    if ran <= 0 or left <= 0:
+        return ""
+    seconds = (time.perf_counter() - trainer.started) / ran * left
+    if g.max_seconds is not None:
+        seconds = min(seconds, max(0.0, g.max_seconds - trainer.elapsed()))
+    return f", about {duration(seconds)} left"
 
 
 def eval_line(metrics: dict[str, float]) -> str:

@@ -22,7 +22,8 @@ def _info(fields: dict[str, float]) -> str:
     return "  ".join(f"{k} {v:.4g}" for k, v in fields.items())
 
 
-def _clock(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """`1:05`, or `2:01:05` from an hour on."""
     s = int(round(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
@@ -66,10 +67,10 @@ class LogBar:
         text = f"{self.description}: {self.done}/{self.total}{unit}"
         if self.total > 0:
             text += f" ({100 * self.done // self.total}%)"
-        text += f", {_clock(elapsed)} elapsed"
+        text += f", {duration(elapsed)} elapsed"
         rate = (self.done - self._start) / elapsed if elapsed > 0 else 0.0
         if 0 < self.done < self.total and rate > 0:
-            text += f", about {_clock((self.total - self.done) / rate)} left"
+            text += f", about {duration((self.total - self.done) / rate)} left"
         return text + (f"  {_info(self._fields)}" if self._fields else "")
 
     def finish(self) -> None:
