@@ -10,13 +10,18 @@ import sys
 if logging.getLogger("trainer").level == logging.NOTSET:
     logging.getLogger("trainer").setLevel(logging.INFO)
 
-# Off a terminal (a worker, a log file) transformers' bars ("Loading weights", "Writing model
-# shards") are carriage-return debris in the log; the stages say their own progress there
-# (trainer/progress.py). Ranks inherit the setting through the environment.
+# Off a terminal (a worker, a log file) transformers' and datasets' bars ("Loading weights",
+# "Writing model shards", "Generating train split") are carriage-return debris in the log; the
+# stages say their own progress there (trainer/progress.py). Ranks inherit the setting through the
+# environment; a library already imported is told directly (each reads it once, at import).
 if not sys.stderr.isatty():
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:  # it reads the setting once, at import
-        from transformers.utils import logging as hf_logging
+    for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(_var, "1")
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from transformers.utils import logging as _hf_logging
 
-        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
-            hf_logging.disable_progress_bar()
+        _hf_logging.disable_progress_bar()
+    if "datasets" in sys.modules and os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1":
+        import datasets as _datasets
+
+        _datasets.disable_progress_bars()

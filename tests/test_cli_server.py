@@ -271,13 +271,18 @@ def test_json_to_standard_output_holds_the_result_alone(tmp_path, migrated_store
     cmd, env, _ = cli_command(tmp_path, {"PREFECT_HOME": str(tmp_path / "prefect")}, migrated_stores)
     cmd[cmd.index("--json") + 1] = "-"
     cmd[cmd.index("prepare-data")] = "sft"
+    gsm8k = ROOT / "tests" / "data" / "gsm8k"  # real rows, read through `datasets` (into a cache of its own)
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
     cmd += ["--set", "sft.max_steps=2", "--set", "model.hidden_size=32", "--set", "model.num_layers=1",
-            "--set", "model.intermediate_size=64", "--set", "sft.micro_batch_size=8"]
+            "--set", "model.intermediate_size=64", "--set", "sft.micro_batch_size=8", "--set", "data.source=files",
+            "--set", f"data.train={gsm8k / 'train.jsonl'}", "--set", f"data.test={gsm8k / 'test.jsonl'}",
+            "--set", "data.max_train=64", "--set", "data.max_test=8"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert [s["stage"] for s in result["stages"]] == ["prepare_data", "tokenizer", "sft"]
     assert "posttrain summary" in proc.stderr and "Setting accelerator to CPU" in proc.stderr
     assert "sft: 2/2 steps (100%)" in proc.stderr  # progress off a terminal: log lines, the last when it ends
-    assert "Writing model shards" not in proc.stderr  # and not transformers' bars, debris in a log
+    for bar in ("Writing model shards", "Generating train split"):  # nor transformers' or datasets' bars,
+        assert bar not in proc.stderr, bar                          # carriage-return debris in a log
     assert not (ROOT / "-").exists() and not (tmp_path / "-").exists()
