@@ -306,6 +306,7 @@ def test_an_eval_through_sglang_gives_the_hf_evals_answers(servers, base_model, 
     cfg = EvalConfig(max_new_tokens=20, batch_size=4)
     hf = evaluate(model, tiny_tokenizer, examples, cfg)
     caplog.set_level(logging.INFO, logger="trainer.progress")
+    caplog.clear()  # the HF eval's own line, where an earlier test has set `trainer` to INFO
     sg = evaluate(None, tiny_tokenizer, examples, cfg, engine=servers, label="eval (grpo) held-out")
     assert len({r["response"] for r in hf.rows}) > 1  # the answers differ between problems: a real comparison
     keys = ("id", "response", "predicted", "correct", "correct_flexible", "response_tokens", "finish_reason")
