@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 2 if problems else 0
     try:
-        stages.check_cpu_servers(cfg, stages.until_for(args.command))
+        stages.check_servers(cfg, stages.until_for(args.command))
         if args.json_out and args.json_out != "-":
             _check_json_out(args.json_out)
     except ConfigError as exc:

@@ -41,7 +41,7 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
     them, then the headline metrics, the registered policy and the report)."""
     cfg = load_config(preset, overrides)
     preflight.check(cfg)  # a custom environment or reward that cannot be used stops the run here
-    stages.check_cpu_servers(cfg, until)  # ... and SGLang CPU servers that cannot start
+    stages.check_servers(cfg, until)  # ... and SGLang servers that cannot start here
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
     with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,6 +239,7 @@ class Walk:
     notes: list[str]
     problems: list[str]
     keys: dict[str, str]  # row name -> the result key the run would compute
+    cached: set[str] = dataclasses.field(default_factory=set)  # the rows whose result is committed already
 
 
 def walk(cfg: RunConfig, until: str | None = None) -> Walk:
@@ -264,6 +266,7 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
 
     lines = [f"preset {cfg.name}: artifacts under {cfg.artifact_root}", ""]
     keys: dict[str, str] = {}
+    cached: set[str] = set()
     results: dict[str, dict | None] = {}
     for row in stages.until(until):
         if not row.enabled(cfg):
@@ -280,10 +283,12 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
                                                                                       folder_key), "will run")
         results[row.name] = {"key": key}
         keys[row.name] = key
+        if state == "cached":
+            cached.add(row.name)
         lines.append(f"{row.name:<15} {folder}  ({state})")
         if row.plan:
             lines += stages.load(row.plan)(cfg, row, folder, inputs, notes, problems)
-    return Walk(lines, notes, problems, keys)
+    return Walk(lines, notes, problems, keys, cached)
 
 
 def dry_run(cfg: RunConfig, until: str | None = None) -> tuple[str, list[str]]:

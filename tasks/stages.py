@@ -150,22 +150,33 @@ def until(name: str | None) -> list[Stage]:
     return STAGES[:last + 1]
 
 
-def check_cpu_servers(cfg: RunConfig, until_row: str | None) -> None:
-    """Raises ConfigError when a row up to `until_row` would launch SGLang servers in CPU mode
-    (rollout.sglang.device=cpu) that cannot start from their interpreter: before any stage, not at
-    the first eval after SFT has trained. CPU servers run where their stage runs, on this machine;
-    GPU servers are checked when a stage launches them (a run whose stages are all cached needs none)."""
+def check_servers(cfg: RunConfig, until_row: str | None) -> None:
+    """Raises ConfigError when a row up to `until_row` would launch SGLang servers that cannot start
+    on this machine, where their stage runs: before any stage, not at the first eval after SFT has
+    trained. CPU servers: their interpreter (checked whatever is cached); GPU servers: a CUDA device,
+    required only when a row that launches them has no committed result yet (a run whose server
+    stages are all cached needs none, as a summary reprinted on a laptop does not)."""
     sg = cfg.rollout.sglang
-    if sg.device != "cpu" or not sg.launch or sg.urls:
+    if not sg.launch or sg.urls:
         return
-    kinds_run = {r.kind for r in until(until_row) if r.enabled(cfg)}
-    if "grpo" in kinds_run and cfg.rollout.engine == "sglang" or "eval" in kinds_run and cfg.eval_engine() == "sglang":
-        from trainer.config import ConfigError
-        from trainer.inference.sglang import check_server_python
+    rows = [r for r in until(until_row) if r.enabled(cfg)
+            and (r.kind == "grpo" and cfg.rollout.engine == "sglang" or r.kind == "eval" and cfg.eval_engine() == "sglang")]
+    if not rows:
+        return
+    from trainer.config import ConfigError
+    from trainer.inference.sglang import check_server_python, has_cuda_device
 
-        problem = check_server_python(sg)
-        if problem:
-            raise ConfigError(problem)
+    if sg.device == "cuda":
+        if has_cuda_device():
+            return  # the rest (the GPU environment) is checked where a stage launches them
+        from tasks.plan import walk
+
+        cached = walk(cfg, until_row).cached
+        if all(r.name in cached for r in rows):
+            return
+    problem = check_server_python(sg)
+    if problem:
+        raise ConfigError(problem)
 
 
 def downstream(recompute: list[str] | tuple[str, ...] | frozenset[str]) -> frozenset[str]:

@@ -130,18 +130,19 @@ def test_sglang_cpu_servers_that_cannot_start_stop_the_run_before_any_stage(tmp_
     assert main(["config", *cpu]) == 0
     capsys.readouterr()
     cfg = load_config("tiny", [c for c in cpu if c != "--set"])
-    stages.check_cpu_servers(cfg, "tokenizer")  # no stage up to the tokenizer launches a server
+    stages.check_servers(cfg, "tokenizer")  # no stage up to the tokenizer launches a server
     with pytest.raises(ConfigError, match="sgl_kernel"):
-        stages.check_cpu_servers(cfg, "eval (sft)")  # the eval of SFT answers through SGLang
+        stages.check_servers(cfg, "eval (sft)")  # the eval of SFT answers through SGLang
     overrides = [c for c in cpu if c != "--set"]
-    stages.check_cpu_servers(load_config("tiny", overrides + ["eval.engine=hf"]), "eval (sft)")  # HF answers it
-    stages.check_cpu_servers(load_config("tiny", overrides + [f"rollout.sglang.env={{PYTHONPATH: {standin}}}"]), None)
+    stages.check_servers(load_config("tiny", overrides + ["eval.engine=hf"]), "eval (sft)")  # HF answers it
+    stages.check_servers(load_config("tiny", overrides + [f"rollout.sglang.env={{PYTHONPATH: {standin}}}"]), None)
 
 
 def test_gpu_servers_on_a_machine_without_cuda_are_named(tmp_path, capsys):
-    """rollout.engine=sglang as shipped (GPU servers) where there is no CUDA device: the stage that
-    would launch them fails saying so and how to run here (it said no CUDA SGLang environment was
-    built, and `make sglang-env` builds the CPU one on such a machine); the dry run notes it."""
+    """rollout.engine=sglang as shipped (GPU servers) where there is no CUDA device: the run stops
+    before any stage, saying so and how to run here (it said no CUDA SGLang environment was built,
+    and `make sglang-env` builds the CPU one on such a machine; and it said so only at the eval after
+    SFT had trained); the dry run notes it."""
     from trainer.config import SGLangConfig
     from trainer.inference.sglang import check_server_python, has_cuda_device
 
@@ -154,5 +155,6 @@ def test_gpu_servers_on_a_machine_without_cuda_are_named(tmp_path, capsys):
     assert main(["eval", *small]) == 2
     err = capsys.readouterr().err
     assert f"posttrain: {no_cuda}; run the servers in CPU mode with rollout.sglang.device=cpu" in err, err[-2000:]
+    assert not (tmp_path / "art").exists()  # before any stage: SFT does not train first only to fail at its eval
     code, out = dry(tmp_path, capsys)
     assert f"note: {no_cuda}" in out and code == 0

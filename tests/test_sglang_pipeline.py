@@ -92,6 +92,17 @@ def test_grpo_stage_on_sglang_through_prefect_and_mlflow(tmp_path, small_sft):
         f"{k.split('/')[1]} {sum(h.value for h in client.get_metric_history(run.info.run_id, k)) / 3:.2f}s"
         for k in ("time/generate_seconds", "time/reward_seconds", "time/update_seconds", "time/sync_seconds",
                   "time/round_seconds")))
+    # the same run asking for GPU servers on this machine (no CUDA device): the stages that would launch
+    # them are cached, so it needs none; with a new eval setting it would, and stops before any stage
+    from tasks import stages
+    from trainer.config import ConfigError, load_config
+    from trainer.inference.sglang import has_cuda_device
+
+    if not has_cuda_device():
+        gpu = OVERRIDES + ["eval.engine=rollout", f"artifact_root={tmp_path}", "rollout.sglang.device=cuda"]
+        stages.check_servers(load_config("tiny", gpu), stages.until_for("grpo"))
+        with pytest.raises(ConfigError, match="rollout.sglang.device=cuda: this machine has no CUDA device"):
+            stages.check_servers(load_config("tiny", gpu + ["eval.max_new_tokens=20"]), stages.until_for("grpo"))
 
 
 def test_exception_mid_round_stops_the_servers(tmp_path, small_sft):
