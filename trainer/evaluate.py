@@ -79,11 +79,11 @@ def _over_context(model: torch.nn.Module | None, prompts: list[list[int]], label
         limit, what = context_of(model), "the model's whole context"
     else:
         limit = getattr(engine, "prompt_limit", None)
-        what = "more than the SGLang servers take (the model's context, less what SGLang keeps back)"
+        what = "more than the SGLang servers take (SGLang keeps 6 of the model's positions back)"
     over = len(too_long(prompts, limit))
     if over:
-        log.warning("%s: %d of %d prompts are %d tokens or longer, %s (the longest: %d tokens, chat template and "
-                    "data.system_prompt included): they get no answer and score wrong. Raise model.max_position "
+        log.warning("%s: %d of %d prompts are %d tokens or longer, %s; the longest: %d tokens, chat template and "
+                    "data.system_prompt included. They get no answer and score wrong. Raise model.max_position "
                     "(a model built from its config; sft.max_length too, so that SFT trains on whole answers), or "
                     "use shorter problems", label, over, len(prompts), limit, what, max(map(len, prompts)))
     return over
