@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 import shlex
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.results import scratch_root, work_dir_for
-from tasks.keys import resolve
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
 from trainer.gguf_source import GGUFError, is_registry, registry_dir, registry_parts
@@ -239,14 +237,12 @@ class Walk:
     notes: list[str]
     problems: list[str]
     keys: dict[str, str]  # row name -> the result key the run would compute
-    cached: set[str] = dataclasses.field(default_factory=set)  # the rows whose result is committed already
 
 
 def walk(cfg: RunConfig, until: str | None = None) -> Walk:
     """The table's rows (tasks/stages.py) up to `until`, as a run would take them: each row's folder
     and key from its inputs' keys, its cache state and its launch plan."""
     from tasks import stages
-    from tasks.keys import result_key, stage_key
 
     problems: list[str] = []
     notes: list[str] = []
@@ -266,29 +262,14 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
 
     lines = [f"preset {cfg.name}: artifacts under {cfg.artifact_root}", ""]
     keys: dict[str, str] = {}
-    cached: set[str] = set()
-    results: dict[str, dict | None] = {}
-    for row in stages.until(until):
-        if not row.enabled(cfg):
-            continue
-        inputs = row.inputs_from(results)
-        try:
-            where = resolve(cfg, row.kind, row.key, inputs)
-            key, folder = where.key, where.folder
-            state = ("cached" if where.manifest is not None else
-                     f"will continue from {where.continues_from}" if where.continues_from is not None else "will run")
-        except Exception:  # an unreachable S3 root, a missing file: reported above
-            folder_key = stage_key(cfg, row.kind, row.key, inputs)
-            key, folder, state = (result_key(cfg, row.key, folder_key), storage.join(cfg.artifact_root, row.kind,
-                                                                                      folder_key), "will run")
-        results[row.name] = {"key": key}
+    for row, inputs, key, folder, where in stages.resolved(cfg, until):
+        state = ("will run" if where is None else "cached" if where.manifest is not None else  # None: reported above
+                 f"will continue from {where.continues_from}" if where.continues_from is not None else "will run")
         keys[row.name] = key
-        if state == "cached":
-            cached.add(row.name)
         lines.append(f"{row.name:<15} {folder}  ({state})")
         if row.plan:
             lines += stages.load(row.plan)(cfg, row, folder, inputs, notes, problems)
-    return Walk(lines, notes, problems, keys, cached)
+    return Walk(lines, notes, problems, keys)
 
 
 def dry_run(cfg: RunConfig, until: str | None = None) -> tuple[str, list[str]]:

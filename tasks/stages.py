@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tasks.keys import SFT_UNKEYED, KeyRule, data_content, environment_content, grpo_content, model_content
 from trainer.config import RunConfig
@@ -150,6 +150,28 @@ def until(name: str | None) -> list[Stage]:
     return STAGES[:last + 1]
 
 
+def resolved(cfg: RunConfig, until_row: str | None) -> Iterator[tuple[Stage, dict, str, str, Any]]:
+    """Each enabled row up to `until_row` as a run would take it: (row, its inputs, its result key,
+    its folder, its `tasks.keys.Where`, or None where that cannot be read: an unreachable s3:// root,
+    a missing input file; the key and folder are then those the run would compute)."""
+    from tasks.keys import resolve, result_key, stage_key
+    from trainer import storage
+
+    results: dict[str, dict | None] = {}
+    for row_ in until(until_row):
+        if not row_.enabled(cfg):
+            continue
+        inputs = row_.inputs_from(results)
+        try:
+            where = resolve(cfg, row_.kind, row_.key, inputs)
+            key, folder = where.key, where.folder
+        except Exception:  # the dry run reports these problems itself
+            where, folder_key = None, stage_key(cfg, row_.kind, row_.key, inputs)
+            key, folder = result_key(cfg, row_.key, folder_key), storage.join(cfg.artifact_root, row_.kind, folder_key)
+        results[row_.name] = {"key": key}
+        yield row_, inputs, key, folder, where
+
+
 def check_servers(cfg: RunConfig, until_row: str | None) -> None:
     """Raises ConfigError when a row up to `until_row` would launch SGLang servers that cannot start
     on this machine, where their stage runs: before any stage, not at the first eval after SFT has
@@ -169,9 +191,7 @@ def check_servers(cfg: RunConfig, until_row: str | None) -> None:
     if sg.device == "cuda":
         if has_cuda_device():
             return  # the rest (the GPU environment) is checked where a stage launches them
-        from tasks.plan import walk
-
-        cached = walk(cfg, until_row).cached
+        cached = {row.name for row, *_, where in resolved(cfg, until_row) if where and where.manifest is not None}
         if all(r.name in cached for r in rows):
             return
     problem = check_server_python(sg)
