@@ -103,6 +103,12 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     served_by: str | None = None  # the server that generated it (None: in this process)
 
+    @classmethod
+    def no_room(cls, prompt_ids: list[int]) -> "Generation":
+        """The answer to a prompt too long for the model: no token, "length" (a response cut at the
+        context's end)."""
+        return cls(prompt_ids=prompt_ids, token_ids=[], logprobs=[], text="", finish_reason="length")
+
 
 def context_of(model: torch.nn.Module) -> int | None:
     """The model's context in tokens (its config's max_position_embeddings), or None if it names none."""
@@ -161,7 +167,7 @@ def generate(
     # context's end), and the rest of its batch decodes on.
     over = over_context(model, prompts)
     for i in over:
-        results[i] = Generation(prompt_ids=prompts[i], token_ids=[], logprobs=[], text="", finish_reason="length")
+        results[i] = Generation.no_room(prompts[i])
     order = order[len(over):]  # the longest first: those are the ones over
     if progress is not None and results:
         progress.update(len(results))

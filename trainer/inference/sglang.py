@@ -475,11 +475,11 @@ class SGLangEngine:
         out: list[Generation | None] = [None] * len(prompts)
         # A prompt the servers would refuse gets no token ("length", as the in-process engines answer
         # one that fills the model's context); the others are sent.
-        for i in too_long(prompts, self.prompt_limit):
-            out[i] = Generation(prompt_ids=prompts[i], token_ids=[], logprobs=[], text="", finish_reason="length")
-        refused = len(prompts) - out.count(None)
+        refused = too_long(prompts, self.prompt_limit)
+        for i in refused:
+            out[i] = Generation.no_room(prompts[i])
         if progress is not None and refused:
-            progress.update(refused)
+            progress.update(len(refused))
         shards = route(prompts, len(self.servers), skip=out)
         pieces = [(k, piece) for k, idx in enumerate(shards)
                   for piece in _split(idx, PROGRESS_PIECES if progress is not None else 1) if piece]
