@@ -29,8 +29,13 @@ class PipelineRun:
     comparison: str | None = None  # nightly runs: the comparison with the best earlier nightly
 
     def add(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Record a finished stage (ran or cache hit) and pass its manifest on."""
+        """Record a finished stage (ran or cache hit) and pass its manifest on; the prepared data's
+        splits become the parent run's dataset inputs."""
+        from tasks.stages import PIPELINE_READS
+
         self.stages.append(manifest)
+        if manifest["stage"] == "prepare_data":
+            self.logger.log_data(manifest, PIPELINE_READS)
         return manifest
 
     def report(self, **metrics: float) -> None:

@@ -15,7 +15,7 @@ from trainer.config import RunConfig
 def body(cfg: RunConfig, inputs: dict, ref, fault: dict):
     def compute(work: Path, logger) -> dict:
         prepared = D.prepare(cfg.data, cfg.seed)
-        files = {
+        sha256 = {  # the splits' content hashes: the digests of the MLflow datasets the stages log
             "train.jsonl": storage.write_jsonl(str(work / "train.jsonl"), prepared.train),
             "test.jsonl": storage.write_jsonl(str(work / "test.jsonl"), prepared.test),
         }
@@ -27,7 +27,7 @@ def body(cfg: RunConfig, inputs: dict, ref, fault: dict):
         logger.log_metrics(metrics)
         logger.log_table([{"id": ex["id"], "messages": ex["messages"], "answer": ex["answer"]}
                           for ex in prepared.train[:20]], "data_samples.json")
-        return {"metrics": metrics, "files": files}
+        return {"metrics": metrics, "sha256": sha256}
 
     return compute
 

@@ -43,6 +43,8 @@ class Stage:
     rank_body: str | None = None  # "module:function" a launched rank runs: (cfg, inputs, work, logger) -> dict
     plan: str | None = None      # "module:function": its dry-run lines, (cfg, row, folder, inputs, notes, problems)
     report: str | None = None    # "module:function": headline metrics once it ran, (run, results) -> None
+    reads: dict[str, str] = field(default_factory=dict)  # the prepared splits its body reads -> what for (MLflow's
+                                                          # dataset context, on its child run's Dataset inputs)
 
     def inputs_from(self, results: dict[str, dict | None]) -> dict[str, dict | None]:
         return {name: results.get(row) for name, row in self.inputs.items()}
@@ -50,6 +52,12 @@ class Stage:
 
 EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it resolves to (answered_by)"},
                    content=lambda cfg: {"answered_by": cfg.eval_engine(), **environment_content(cfg)})
+
+
+TRAINS = {"train": "training"}
+EVALS = {"test": "evaluation", "train": "evaluation (seen)"}  # held-out, and the seen-problem sample
+# the parent run's: what the pipeline trained on and was measured on
+PIPELINE_READS = {"train": "training", "test": "evaluation"}
 
 
 def _grpo_on(cfg: RunConfig) -> bool:
@@ -64,12 +72,12 @@ STAGES: list[Stage] = [
     Stage("prepare_data", "prepare_data", KeyRule(("data",), content=data_content), "tasks.prepare_data:body",
           command="prepare-data"),
     Stage("tokenizer", "tokenizer", KeyRule(("tokenizer",)), "tasks.tokenizer:body", {"data": "prepare_data"},
-          enabled=lambda cfg: cfg.tokenizer.train, command="tokenizer"),
+          enabled=lambda cfg: cfg.tokenizer.train, command="tokenizer", reads=TRAINS),
     Stage("sft", "sft", KeyRule(("model", "tokenizer", "sft"), unkeyed=SFT_UNKEYED, content=model_content),
           "tasks.sft:body", {"data": "prepare_data", "tokenizer": "tokenizer"}, command="sft",
-          rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start"),
+          rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start", reads=TRAINS),
     Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
-          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval"),
+          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=EVALS),
     Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
@@ -82,15 +90,17 @@ STAGES: list[Stage] = [
         "rollout.sglang": "where and how servers run (ports, addresses, timeouts, memory), not what they sample",
     }, content=grpo_content, extends="grpo.rounds"),
           "tasks.grpo:body", {"data": "prepare_data", "sft": "sft"}, enabled=_grpo_on, command="grpo", task=False,
-          rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo"),
+          rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo",
+          reads={"train": "training", "test": "evaluation"}),  # periodic evals on the held-out split
     Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},
-          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval"),
+          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=EVALS),
     # the SFT-only control runs SFT's body (and so its key rule's fields)
     Stage("control", "control", KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=model_content),
           "tasks.control:body", {"data": "prepare_data", "sft": "sft", "grpo": "grpo"}, enabled=_control_on,
-          plan="tasks.plan:plan_control"),
+          plan="tasks.plan:plan_control", reads=TRAINS),
     Stage("eval (control)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "control"},
-          enabled=_control_on, command="eval", plan="tasks.plan:plan_eval", report="tasks.pipeline:report_control_eval"),
+          enabled=_control_on, command="eval", plan="tasks.plan:plan_eval", report="tasks.pipeline:report_control_eval",
+          reads=EVALS),
 ]
 
 

@@ -89,7 +89,12 @@ def test_speedrun_on_s3_then_cached_rerun(s3, session_dir, caplog, capsys):
     client = MlflowClient()
     exp = client.get_experiment_by_name("s3-test")
     for run in client.search_runs([exp.experiment_id]):
-        assert SECRET not in repr(run.data.params) + repr(run.data.tags)
+        assert SECRET not in repr(run.data.params) + repr(run.data.tags) + repr(run.inputs)
+    # the prepared splits, MLflow datasets on the parent run, name their files on the store
+    data = next(s for s in first["stages"] if s["stage"] == "prepare_data")
+    sources = {d.dataset.name: (d.dataset.source_type, json.loads(d.dataset.source)["uri"])
+               for d in client.get_run(first["mlflow_run_id"]).inputs.dataset_inputs}
+    assert sources == {f"synthetic-{split}": ("s3", f"{data['uri']}/{split}.jsonl") for split in ("train", "test")}
     artifact_dir = Path(exp.artifact_location.removeprefix("file://"))
     files = [p for d in (session_dir, artifact_dir) for p in d.rglob("*") if p.is_file()]
     assert any(p.name == "config.yaml" for p in files)  # the MLflow artifacts were searched too
