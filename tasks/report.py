@@ -225,6 +225,7 @@ class Comparison:
     rows: list[tuple[str, float | None, float | None]]
     chosen: bool = False  # the baseline was named (--baseline), not the best earlier nightly
     paired: str | None = None  # the final policies' held-out answers, problem by problem
+    data: str | None = None  # whether the two read the same prepared rows
 
     def text(self) -> str:
         r = self.run
@@ -239,6 +240,8 @@ class Comparison:
             lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  ({why}; starts from {_start_policy(b)})")
             if b.info.status != "FINISHED":
                 lines[-1] += f"  [{b.info.status}]"
+        if self.data:
+            lines.append(self.data)
         lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
         for name, mine, base in self.rows:
             delta = mine - base if mine is not None and base is not None else None
@@ -297,7 +300,27 @@ def compare(client, experiment: str, run_id: str | None = None, baseline_id: str
         baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)
     rows = [(m, run.data.metrics.get(m), baseline.data.metrics.get(m) if baseline else None) for m in COMPARED]
     paired = paired_text(final_answers(client, run), final_answers(client, baseline)) if baseline else None
-    return Comparison(run, baseline, rows, chosen=baseline_id is not None, paired=paired)
+    data = data_text(run, baseline) if baseline else None
+    return Comparison(run, baseline, rows, chosen=baseline_id is not None, paired=paired, data=data)
+
+
+def data_text(run, baseline) -> str:
+    """Whether two pipeline runs read the same prepared rows: their MLflow dataset inputs (each
+    split's name and content digest), or that a run holds none (it stopped before its data, or ran
+    before posttrain logged datasets)."""
+    def read(r) -> dict[str, str]:
+        return {d.dataset.name: d.dataset.digest for d in (r.inputs.dataset_inputs if r.inputs else [])}
+
+    def listed(d: dict[str, str]) -> str:
+        return ", ".join(f"{name} {digest}" for name, digest in sorted(d.items()))
+
+    mine, theirs = read(run), read(baseline)
+    missing = [who for who, d in (("the run", mine), ("the baseline", theirs)) if not d]
+    if missing:
+        return f"data      not recorded for {' and '.join(missing)} (no MLflow dataset inputs)"
+    if mine == theirs:
+        return f"data      the same rows: {listed(mine)}"
+    return f"data      other rows: run {listed(mine)}; baseline {listed(theirs)}"
 
 
 def _pipeline_run(client, run_id: str, flag: str):

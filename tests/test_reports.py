@@ -55,6 +55,10 @@ def test_compare_cli_prints_latest_nightly_against_best_earlier(nightlies, capsy
         assert rows[metric][1] == f"{a[metric]:.1%}" and rows[metric][2] == f"{b[metric]:.1%}"
         assert rows[metric][3] == f"{(a[metric] - b[metric]) * 100:+.1f}"
     assert rows["wall_seconds"][3] == f"{a['wall_seconds'] - b['wall_seconds']:+.4g}"
+    # the two read the same prepared rows (only GRPO's settings differ): the datasets' digests say so
+    digests = {d.dataset.name: d.dataset.digest for d in client.get_run(first["mlflow_run_id"]).inputs.dataset_inputs}
+    assert rows["data"] == ["data", "the", "same", "rows:", "synthetic-test", digests["synthetic-test"] + ",",
+                            "synthetic-train", digests["synthetic-train"]]
     assert rows["final_reward"][3] == f"{a['final_reward'] - b['final_reward']:+.4g}"
     z = "vs_control_mcnemar_z"
     assert rows[z][1:] == [f"{a[z]:.4g}", f"{b[z]:.4g}", f"{a[z] - b[z]:+.4g}"]
@@ -140,6 +144,34 @@ def test_paired_answers_only_on_the_same_problems():
     assert "on 2 common problems (of 3 and 2)" in paired_text(mine, rows(("a", "1+1?", False), ("b", "2+2?", True)))
     assert "no problem in common" in paired_text(mine, rows(("a", "5+5?", True)))  # same id, another problem
     assert "not available" in paired_text(mine, None)
+
+
+def test_compare_says_whether_two_runs_read_the_same_rows(tmp_path):
+    """From the runs' MLflow dataset inputs (a real SQLite store): the same digests, others, or none
+    recorded (a run that stopped before its data, or an older run)."""
+    from mlflow import MlflowClient
+
+    from tasks.report import data_text
+    from tasks.tracking import MlflowLogger
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("data")
+
+    def run(files: dict[str, str] | None):
+        r = client.create_run(experiment)
+        if files is not None:
+            manifest = {"uri": str(tmp_path / "prepared"), "key": "k" * 16, "sha256": files,
+                        "metrics": {"data/n_train": 3, "data/n_test": 1}, "config": {"data": {"source": "synthetic"}}}
+            MlflowLogger(client, r.info.run_id).log_data(manifest, {"train": "training", "test": "evaluation"})
+        return client.get_run(r.info.run_id)
+
+    a, b = run({"train.jsonl": "a" * 64, "test.jsonl": "b" * 64}), run({"train.jsonl": "a" * 64, "test.jsonl": "b" * 64})
+    other, none = run({"train.jsonl": "c" * 64, "test.jsonl": "b" * 64}), run(None)
+    assert data_text(a, b) == f"data      the same rows: synthetic-test {'b' * 12}, synthetic-train {'a' * 12}"
+    assert data_text(a, other) == (f"data      other rows: run synthetic-test {'b' * 12}, synthetic-train {'a' * 12}; "
+                                   f"baseline synthetic-test {'b' * 12}, synthetic-train {'c' * 12}")
+    assert data_text(none, a) == "data      not recorded for the run (no MLflow dataset inputs)"
+    assert data_text(none, none) == "data      not recorded for the run and the baseline (no MLflow dataset inputs)"
 
 
 def test_final_policy_registered_with_lineage(nightlies):
