@@ -31,11 +31,11 @@ class PipelineRun:
     def add(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Record a finished stage (ran or cache hit) and pass its manifest on; the prepared data's
         splits become the parent run's dataset inputs."""
-        from tasks.stages import PIPELINE_READS
+        from tasks.stages import TRAIN_TEST
 
         self.stages.append(manifest)
         if manifest["stage"] == "prepare_data":
-            self.logger.log_data(manifest, PIPELINE_READS)
+            self.logger.log_data(manifest, TRAIN_TEST)
         return manifest
 
     def report(self, **metrics: float) -> None:

@@ -56,8 +56,8 @@ EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it re
 
 TRAINS = {"train": "training"}
 EVALS = {"test": "evaluation", "train": "evaluation (seen)"}  # held-out, and the seen-problem sample
-# the parent run's: what the pipeline trained on and was measured on
-PIPELINE_READS = {"train": "training", "test": "evaluation"}
+# trains on train, measured on test: GRPO (its periodic evals), and the pipeline's parent run
+TRAIN_TEST = {"train": "training", "test": "evaluation"}
 
 
 def _grpo_on(cfg: RunConfig) -> bool:
@@ -91,7 +91,7 @@ STAGES: list[Stage] = [
     }, content=grpo_content, extends="grpo.rounds"),
           "tasks.grpo:body", {"data": "prepare_data", "sft": "sft"}, enabled=_grpo_on, command="grpo", task=False,
           rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo",
-          reads={"train": "training", "test": "evaluation"}),  # periodic evals on the held-out split
+          reads=TRAIN_TEST),
     Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},
           enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=EVALS),
     # the SFT-only control runs SFT's body (and so its key rule's fields)
