@@ -58,7 +58,7 @@ def run_stage(
     t0 = time.perf_counter()
     recompute = row in ref.recompute
     rule = rule_for(stage)
-    reads = stages.row(row).reads
+    reads = stages.row(row).splits_read(cfg)
     where = resolve(cfg, stage, rule, inputs)
     if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
         return _cache_hit(stage, where, ref, t0, reads, inputs)

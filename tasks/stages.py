@@ -43,11 +43,15 @@ class Stage:
     rank_body: str | None = None  # "module:function" a launched rank runs: (cfg, inputs, work, logger) -> dict
     plan: str | None = None      # "module:function": its dry-run lines, (cfg, row, folder, inputs, notes, problems)
     report: str | None = None    # "module:function": headline metrics once it ran, (run, results) -> None
-    reads: dict[str, str] = field(default_factory=dict)  # the prepared splits its body reads -> what for (MLflow's
-                                                          # dataset context, on its child run's Dataset inputs)
+    # the prepared splits its body reads -> what for (MLflow's dataset context, on its child run's
+    # Dataset inputs), or a function of the config that says so
+    reads: dict[str, str] | Callable[[RunConfig], dict[str, str]] = field(default_factory=dict)
 
     def inputs_from(self, results: dict[str, dict | None]) -> dict[str, dict | None]:
         return {name: results.get(row) for name, row in self.inputs.items()}
+
+    def splits_read(self, cfg: RunConfig) -> dict[str, str]:
+        return self.reads(cfg) if callable(self.reads) else self.reads
 
 
 EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it resolves to (answered_by)"},
@@ -55,7 +59,12 @@ EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it re
 
 
 TRAINS = {"train": "training"}
-EVALS = {"test": "evaluation", "train": "evaluation (seen)"}  # held-out, and the seen-problem sample
+
+
+def _evals(cfg: RunConfig) -> dict[str, str]:
+    """An eval reads the held-out split, and the training split where it samples seen problems."""
+    return {"test": "evaluation", **({"train": "evaluation (seen)"} if cfg.eval.seen_examples else {})}
+
 # trains on train, measured on test: GRPO (its periodic evals), and the pipeline's parent run
 TRAIN_TEST = {"train": "training", "test": "evaluation"}
 
@@ -77,7 +86,7 @@ STAGES: list[Stage] = [
           "tasks.sft:body", {"data": "prepare_data", "tokenizer": "tokenizer"}, command="sft",
           rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start", reads=TRAINS),
     Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
-          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=EVALS),
+          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=_evals),
     Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
@@ -93,14 +102,14 @@ STAGES: list[Stage] = [
           rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo",
           reads=TRAIN_TEST),
     Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},
-          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=EVALS),
+          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=_evals),
     # the SFT-only control runs SFT's body (and so its key rule's fields)
     Stage("control", "control", KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=model_content),
           "tasks.control:body", {"data": "prepare_data", "sft": "sft", "grpo": "grpo"}, enabled=_control_on,
           plan="tasks.plan:plan_control", reads=TRAINS),
     Stage("eval (control)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "control"},
           enabled=_control_on, command="eval", plan="tasks.plan:plan_eval", report="tasks.pipeline:report_control_eval",
-          reads=EVALS),
+          reads=_evals),
 ]
 
 

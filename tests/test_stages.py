@@ -59,6 +59,22 @@ def test_the_table_is_what_the_commands_keys_and_recompute_choices_come_from():
     assert stages.until_for("grpo") == "grpo"
 
 
+def test_an_eval_names_the_training_split_only_where_it_samples_seen_problems():
+    """The splits a row reads become its MLflow run's dataset inputs: an eval with no seen-problem
+    sample (the smollm2 presets) reads the held-out split alone, and says so."""
+    from tasks.tracking import data_inputs
+    from trainer.config import load_config
+
+    for row in ("eval (sft)", "eval (grpo)", "eval (control)"):
+        assert stages.row(row).splits_read(load_config("tiny")) == {"test": "evaluation", "train": "evaluation (seen)"}
+        assert stages.row(row).splits_read(load_config("tiny", ["eval.seen_examples=0"])) == {"test": "evaluation"}
+        assert stages.row(row).splits_read(load_config("smollm2-135m")) == {"test": "evaluation"}
+    assert stages.row("grpo").splits_read(load_config("smollm2-135m")) == {"train": "training", "test": "evaluation"}
+    data = {"key": "k" * 16, "uri": "/tmp/prepared", "sha256": {"test.jsonl": "ab" * 32}, "metrics": {"data/n_test": 4.0}}
+    [only] = data_inputs(data, stages.row("eval (sft)").splits_read(load_config("tiny", ["eval.seen_examples=0"])))
+    assert (only.dataset.name, only.dataset.digest, [t.value for t in only.tags]) == ("synthetic-test", "ab" * 6, ["evaluation"])
+
+
 def test_a_stage_added_to_the_table_appears_everywhere(with_shout, tmp_path):
     from flows.cli import _parser
     from tasks.keys import stage_key
