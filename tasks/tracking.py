@@ -88,6 +88,18 @@ class MlflowLogger:
         if data and reads:
             self.client.log_inputs(self.run_id, datasets=data_inputs(data, reads))
 
+    def run_link(self, run_id: str) -> str:
+        """A link, inside the MLflow UI, to a run's page in its model-training view: `#/runs/<id>`
+        alone opens in the GenAI view in a browser that never chose one (MLflow 3.17's default),
+        and only the experiment's run route keeps `workflowType` (docs/serving.md)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            experiment = self.client.get_run(run_id).info.experiment_id
+        except MlflowException:  # a run this store no longer has: the short route, which says so
+            return f"#/runs/{run_id}"
+        return f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+
     def log_reads(self, inputs: dict[str, dict[str, Any] | None], reads: dict[str, str], cached_from: str | None = None) -> None:
         """What a stage's run read (`inputs`: its input name -> that stage's result; `reads`: the
         prepared splits it reads -> what for): the splits as MLflow datasets; each input as tags,
@@ -97,7 +109,7 @@ class MlflowLogger:
         self.log_data(inputs.get("data"), reads)
         tags, lines = {}, []
         if cached_from:
-            lines += [f"From cache: the result of run [{cached_from}](#/runs/{cached_from}).", ""]
+            lines += [f"From cache: the result of run [{cached_from}]({self.run_link(cached_from)}).", ""]
         read = {name: m for name, m in inputs.items() if m}
         if read:
             lines += ["Reads:", ""]
@@ -107,7 +119,7 @@ class MlflowLogger:
             line = f"- {name}: {m['stage']} `{m['key']}`"
             if source:
                 tags[f"posttrain.input_run.{name}"] = source
-                line += f", computed by run [{source}](#/runs/{source})"
+                line += f", computed by run [{source}]({self.run_link(source)})"
             lines.append(line)
         if lines:
             self.set_tags({**tags, "mlflow.note.content": "\n".join(lines)})

@@ -257,8 +257,10 @@ def test_each_stage_run_links_the_runs_that_computed_what_it_read(first_run):
     grpo = stage_run["grpo"].data.tags
     assert (grpo["posttrain.input.sft"], grpo["posttrain.input_run.sft"]) == (runs["sft"]["key"], stage_run["sft"].info.run_id)
     note = tags["mlflow.note.content"]
-    assert f"- model: grpo `{runs['grpo']['key']}`, computed by run [{stage_run['grpo'].info.run_id}]" \
-           f"(#/runs/{stage_run['grpo'].info.run_id})" in note
+    # the run's page in the experiment's model-training view (`#/runs/<id>` opened the GenAI view)
+    grpo_id, exp = stage_run["grpo"].info.run_id, result["mlflow_experiment_id"]
+    assert f"- model: grpo `{runs['grpo']['key']}`, computed by run [{grpo_id}]" \
+           f"(#/experiments/{exp}/runs/{grpo_id}?workflowType=machine_learning)" in note
     assert "posttrain.input.data" not in stage_run["prepare_data"].data.tags  # it reads nothing
 
 
@@ -383,7 +385,9 @@ def test_rerun_is_all_cache_hits(first_run):
     assert sft[0].data.tags["cache_hit"] == "True" and set(datasets(client, sft[0].info.run_id)) == {"synthetic-train"}
     computed = sft[0].data.tags["source_run_id"]
     assert client.get_run(computed).data.tags["cache_key"] == next(s["key"] for s in result["stages"] if s["stage"] == "sft")
-    assert sft[0].data.tags["mlflow.note.content"].startswith(f"From cache: the result of run [{computed}](#/runs/{computed}).")
+    assert sft[0].data.tags["mlflow.note.content"].startswith(
+        f"From cache: the result of run [{computed}](#/experiments/{client.get_run(computed).info.experiment_id}/runs/"
+        f"{computed}?workflowType=machine_learning).")
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in result["stages"]]
     assert again["headline"]["sft_accuracy"] == result["headline"]["sft_accuracy"]
 
