@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         stages.check_servers(cfg, stages.until_for(args.command))
         if args.json_out and args.json_out != "-":
             _check_json_out(args.json_out)
-    except ConfigError as exc:
+        from trainer import storage
+
+        problem = storage.local_root_problem(cfg.artifact_root)  # (the flow checks it too: a run from the UI)
+        if problem:
+            raise problem
+    except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2
     to_stdout = args.json_out == "-"

@@ -455,7 +455,7 @@ def test_an_artifact_root_that_cannot_hold_results_stops_the_run_before_it_start
 def test_an_artifact_root_this_user_may_not_write_in_or_reach_is_named(tmp_path):
     """A folder another user owns: one this user may read but not write in, and one it may not even
     search (its results folder behind it cannot be looked at: was a PermissionError traceback from
-    the dry run and the run). The tests run as root, who may write anywhere: the commands run as root
+    the dry run and the run; then a failed flow run on a temporary Prefect server). The tests run as root, who may write anywhere: the commands run as root
     without the capabilities that let it (setpriv), as a user without them would."""
     import os
     import shutil
@@ -480,6 +480,8 @@ def test_an_artifact_root_this_user_may_not_write_in_or_reach_is_named(tmp_path)
             said = f"artifact_root: '{root}' cannot hold results: this user may not write in {folder}; point artifact_root at a folder"
             assert proc.returncode == 2 and said in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
             assert "PermissionError" not in proc.stdout + proc.stderr
+            # said before anything starts: no Prefect server started for it, no failed flow run's traceback
+            assert "Prefect server" not in proc.stdout + proc.stderr and "Traceback" not in proc.stdout + proc.stderr
         assert not root.exists()
 
 
