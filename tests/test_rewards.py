@@ -116,14 +116,18 @@ def test_a_reward_that_raises_is_noted_with_its_sample_and_logged_once(caplog):
     assert mix.score(["#### 12"], [EX])[0] == [2.0] and mix.raised == {}  # per call
 
 
-def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys, caplog):
+def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys, caplog, small_sft):
     """Through the CLI: exit 2 naming the reward, its error and the example (was the user's
     traceback and exit 1); with grpo.on_bad_reward=skip the round drops those samples and goes on.
-    A reward that cannot take (response, example) stops the run before any stage."""
+    A reward that cannot take (response, example) stops the run before any stage. GRPO starts from
+    the session's small SFT (tests/seeded.py): the reward is what this tests."""
     from flows.cli import main
+    from tests.seeded import seed
+    from tests.test_pipeline import SMALL
 
-    small = ["--set", f"artifact_root={tmp_path / 'art'}", "--set", "sft.max_steps=5", "--set",
-             "data.synthetic.n_train=300", "--set", "grpo.rounds=1", "--set", "rollout.prompts_per_round=4"]
+    seed(small_sft, tmp_path / "art")
+    small = [a for o in [f"artifact_root={tmp_path / 'art'}", *SMALL, "grpo.rounds=1", "rollout.prompts_per_round=4"]
+             for a in ("--set", o)]
     raising = ["--set", "grpo.rewards=[{name: math}, {name: 'tests.test_rewards:string_reward_that_raises'}]"]
     assert main(["grpo", *small, *raising]) == 2
     err = capsys.readouterr().err
