@@ -65,6 +65,7 @@ def _evals(cfg: RunConfig) -> dict[str, str]:
     """An eval reads the held-out split, and the training split where it samples seen problems."""
     return {"test": "evaluation", **({"train": "evaluation (seen)"} if cfg.eval.seen_examples else {})}
 
+
 # trains on train, measured on test: GRPO (its periodic evals), and the pipeline's parent run
 TRAIN_TEST = {"train": "training", "test": "evaluation"}
 
