@@ -219,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         stages.check_servers(cfg, stages.until_for(args.command))
         if args.json_out and args.json_out != "-":
             _check_json_out(args.json_out)
-        from trainer import storage
-
-        problem = storage.local_root_problem(cfg.artifact_root)  # (the flow checks it too: a run from the UI)
-        if problem:
-            raise problem
+        preflight.check_root(cfg)
     except InputError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return 2

@@ -136,9 +136,6 @@ def warm_up() -> None:
 def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
                  nightly: bool = False) -> Iterator[PipelineRun]:
     log = prefect_logger()
-    problem = storage.local_root_problem(cfg.artifact_root)  # before any MLflow run is made
-    if problem:
-        raise problem
     uri = tracking_uri()
     client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, cfg.tracking.artifact_location)

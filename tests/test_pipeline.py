@@ -455,8 +455,9 @@ def test_an_artifact_root_that_cannot_hold_results_stops_the_run_before_it_start
 def test_an_artifact_root_this_user_may_not_write_in_or_reach_is_named(tmp_path):
     """A folder another user owns: one this user may read but not write in, and one it may not even
     search (its results folder behind it cannot be looked at: was a PermissionError traceback from
-    the dry run and the run; then a failed flow run on a temporary Prefect server). The tests run as root, who may write anywhere: the commands run as root
-    without the capabilities that let it (setpriv), as a user without them would."""
+    the dry run and the run; then a failed flow run on a temporary Prefect server). The tests run as
+    root, who may write anywhere: the commands run as root without the capabilities that let it
+    (setpriv), as a user without them would."""
     import os
     import shutil
     import subprocess

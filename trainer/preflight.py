@@ -23,3 +23,14 @@ def check(cfg: RunConfig) -> None:
         from trainer.lora import check_config
 
         check_config(cfg)
+
+
+def check_root(cfg: RunConfig) -> None:
+    """Raises StorageError where a local artifact_root cannot hold results (a file in its path, a
+    folder this user may not write in), before a server starts or an MLflow run is made. The dry
+    run lists it among its problems instead; an s3:// root is probed at the run's first write."""
+    from trainer import storage
+
+    problem = storage.local_root_problem(cfg.artifact_root)
+    if problem:
+        raise problem
