@@ -62,11 +62,32 @@ def body(cfg, inputs: dict, ref, fault: dict):
         finally:
             if engine is not None:
                 engine.close()
-        logger.log_metrics(metrics)
+        log_metrics(logger, metrics, data, model)
         logger.log_table(result.rows, "eval_results.json")
         return {"metrics": metrics, "evaluated": model["key"], "evaluated_stage": evaluated_stage}
 
     return compute
+
+
+def log_metrics(logger, metrics: dict[str, float], data: dict, model: dict) -> None:
+    """The eval's metrics on its run, and on the evaluated policy's MLflow logged model where this
+    store has it: the held-out ones measured on the test split's dataset, the seen ones on the
+    training split's, so the model's page (and the *Models* tab's columns) say what each was
+    measured on."""
+    from tasks.tracking import dataset_name
+
+    policy = logger.known_model(model.get("mlflow_model_id"))
+    if policy is None:
+        logger.log_metrics(metrics)
+        return
+    seen = {k: v for k, v in metrics.items() if k.startswith("eval/seen_")}
+    gap = {k: v for k, v in metrics.items() if k == "eval/memorisation_gap"}  # both splits
+    held_out = {k: v for k, v in metrics.items() if k not in seen and k not in gap}
+    logger.log_metrics(held_out, model_id=policy.model_id, dataset=dataset_name(data, "test"))
+    if seen:
+        logger.log_metrics(seen, model_id=policy.model_id, dataset=dataset_name(data, "train"))
+    if gap:
+        logger.log_metrics(gap, model_id=policy.model_id)
 
 
 def seen_sample(train: list[dict], n: int, seed: int) -> list[dict]:

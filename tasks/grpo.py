@@ -132,8 +132,7 @@ def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
     # rounds whose every group was filtered out (all of a group's rewards equal): no update
     metrics["grpo/skipped_updates"] = sum(h.get("update/skipped", 0.0) for h in trainer.history)
     logger.log_metrics(metrics)
-    logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0
-    logger.log_artifact(work / "model", "model")
+    logger.log_artifact(work / "history.jsonl")  # a NullLogger off rank 0; the model: tasks.runner.log_policy
     out = {"metrics": metrics, "model_subdir": "model", "state_hash": trainer.state_hash(),
            "resumed_from_round": trainer.resumed_from}
     if trainer.critic is not None:

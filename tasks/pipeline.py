@@ -111,6 +111,12 @@ def mlflow_ui_urls(experiment_id: str, run_id: str | None = None, ui: str | None
     return f"{runs}?{RUNS_TABLE_QUERY}", (f"{runs}/{run_id}?workflowType=machine_learning" if run_id else None)
 
 
+def mlflow_models_url(runs_table: str) -> str:
+    """The experiment's *Models* tab (its policies as logged models, with their evals' metrics), beside
+    the runs table `mlflow_ui_urls` gives."""
+    return runs_table.split("/runs?", 1)[0] + "/models?workflowType=machine_learning"
+
+
 def _flow_run() -> tuple[str | None, str | None]:
     from prefect.runtime import flow_run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +188,7 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
             run.logger.set_tags({"posttrain.registered_model": run.registered_model})
             return name, v.version
     source_run = policy["source_run_id"]
-    source = client.get_run(source_run).info.artifact_uri.rstrip("/") + "/model"
+    source, model_id, run_artifacts = policy_source(run.logger, policy)
     tags = {
         "posttrain.policy_key": policy["key"], "posttrain.policy_stage": model_stage,
         "posttrain.dataset_key": stages["prepare_data"]["key"], "posttrain.dataset_uri": stages["prepare_data"]["uri"],
@@ -196,20 +197,60 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         "posttrain.preset": cfg.name,
     }
     if cfg.model.lora is not None:  # the version's source is the merged model; the adapter sits beside it
+        adapter = f"{run_artifacts}/adapter" if run_artifacts else storage.join(policy["uri"], policy["adapter_subdir"])
         tags.update({"posttrain.lora": f"merged ({cfg.model.lora.describe()}); adapter in adapter/",
-                     "posttrain.adapter_uri": source.rsplit("/", 1)[0] + "/adapter"})
+                     "posttrain.adapter_uri": adapter})
     else:
         tags["posttrain.lora"] = "none: full fine-tuning"
     if "grpo" in stages:
         tags.update({"posttrain.grpo_run": stages["grpo"]["source_run_id"], "posttrain.grpo_key": stages["grpo"]["key"]})
     if run.ref.flow_run_id:
         tags["prefect.flow_run_id"] = run.ref.flow_run_id
-    version = client.create_model_version(name, source, run_id=source_run, tags=tags,
+    version = client.create_model_version(name, source, run_id=source_run, tags=tags, model_id=model_id,
                                           description=f"final policy of MLflow run {run.ref.parent_run_id}")
+    if model_id:  # the logged model's page lists the versions made from it (as mlflow.register_model records)
+        listed = json.loads(client.get_logged_model(model_id).tags.get("mlflow.modelVersions") or "[]")
+        client.set_logged_model_tags(model_id, {"mlflow.modelVersions": json.dumps(
+            listed + [{"name": name, "version": version.version}])})
     run.registered_model = f"{name}/{version.version}"
     run.logger.set_tags({"posttrain.registered_model": run.registered_model})
     log.info("registered the final policy as %s version %s", name, version.version)
     return name, version.version
+
+
+def policy_source(logger, policy: dict) -> tuple[str, str | None, str | None]:
+    """Where a registered version of `policy` (a stage's result) points: its MLflow logged model
+    (`models:/<id>`, the model id) where this store has it, else (a result from before posttrain
+    logged policies as models) the model folder among its run's artifacts, else (a run this store
+    does not have: the result was computed while tracking elsewhere) its folder under the artifact
+    root. Also the source run's artifact URI, where this store has that run."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        artifacts = logger.client.get_run(policy["source_run_id"]).info.artifact_uri.rstrip("/")
+    except MlflowException:
+        artifacts = None
+    if model := logger.known_model(policy.get("mlflow_model_id")):
+        # MLflow 3.17's SQL registry looks a models:/ source up in the process's global tracking store
+        # (SqlAlchemyStore.create_model_version), not this client's: where the two differ, the model's
+        # artifact location (the same weights; the version page then shows no source model)
+        if same_store(logger.client.tracking_uri, mlflow.get_tracking_uri()):
+            return f"models:/{model.model_id}", model.model_id, artifacts
+        return model.artifact_location, model.model_id, artifacts
+    if artifacts:
+        return f"{artifacts}/{policy['model_subdir']}", None, artifacts
+    return storage.join(policy["uri"], policy["model_subdir"]), None, None
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two tracking URIs name one store (a relative SQLite path as the absolute one)."""
+    import os
+
+    def norm(uri: str) -> str:
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else uri.rstrip("/")
+
+    return norm(a) == norm(b)
 
 
 def config_hash(cfg) -> str:
@@ -362,7 +403,6 @@ def final_answers(client, run) -> list[dict] | None:
 
 def _final_table(client, evals) -> dict | None:
     """The eval table of the latest stage (GRPO, SFT, start) among a pipeline run's eval runs."""
-    import json
     import tempfile
 
     by_stage: dict[str, str] = {}

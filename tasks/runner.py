@@ -27,11 +27,12 @@ from trainer.config import RunConfig
 _held: contextvars.ContextVar[lease.StageLease | None] = contextvars.ContextVar("held_lease", default=None)
 
 
-def _cache_hit(stage: str, where, ref: TrackingRef, t0: float, reads: dict[str, str], inputs: dict) -> dict[str, Any]:
+def _cache_hit(stage: str, where, ref: TrackingRef, t0: float, reads: dict[str, str], inputs: dict,
+               policy: str | None) -> dict[str, Any]:
     manifest = where.manifest
     source = manifest.get("mlflow_run_id", "")
     logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
-    logger.log_reads(inputs, reads, cached_from=source)
+    logger.log_reads(inputs, reads, cached_from=source, policy=policy)
     logger.log_metrics(manifest.get("metrics", {}))
     logger.client.set_terminated(logger.run_id)
     prefect_logger().info("%s: cache hit (key %s) at %s", stage, where.key, where.folder)
@@ -58,10 +59,10 @@ def run_stage(
     t0 = time.perf_counter()
     recompute = row in ref.recompute
     rule = rule_for(stage)
-    reads = stages.row(row).splits_read(cfg)
+    reads, policy = stages.row(row).splits_read(cfg), stages.row(row).policy
     where = resolve(cfg, stage, rule, inputs)
     if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
-        return _cache_hit(stage, where, ref, t0, reads, inputs)
+        return _cache_hit(stage, where, ref, t0, reads, inputs, policy)
     while True:
         key = where.key
         say = lambda msg: log.info("%s (key %s): %s", stage, key, msg)  # noqa: E731
@@ -75,19 +76,19 @@ def run_stage(
             if where.manifest is not None and not recompute:
                 broken = damage(where.folder, where.manifest)
                 if not broken:
-                    return _cache_hit(stage, where, ref, t0, reads, inputs)
+                    return _cache_hit(stage, where, ref, t0, reads, inputs, policy)
                 log.warning("%s: the result at %s is damaged (%s); computing it again beside it", stage,
                             where.folder, broken)
                 fresh = True
             token = _held.set(held)
             try:
-                return _compute(stage, rule, cfg, inputs, body, ref, where, held, fresh, t0, reads)
+                return _compute(stage, rule, cfg, inputs, body, ref, where, held, fresh, t0, reads, policy)
             finally:
                 _held.reset(token)
 
 
 def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
-             t0: float, reads: dict[str, str]) -> dict[str, Any]:
+             t0: float, reads: dict[str, str], policy: str | None) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
     span = extent(cfg, rule)
@@ -123,7 +124,7 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
                     "them; it ran on %s): restarting from the stage's input", stage, took_over,
                     held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
-    logger.log_reads(inputs, reads)
+    logger.log_reads(inputs, reads, policy=policy)
     sections = rule.sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s) in %s; MLflow child run %s", stage, where.key, folder, logger.run_id)
@@ -131,6 +132,7 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
         with checkpoint_guard(held.check):
             extra = body(work, logger)
         held.check()
+        model_id = log_policy(stage, cfg, rule, ref, where, work, extra, logger)
     except BaseException as exc:
         logger.client.set_terminated(logger.run_id, ended_status(exc))
         # nothing written, no checkpoint to resume from: no empty key folder left behind, nor (s3://)
@@ -147,14 +149,48 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
         "inputs": {k: (v or {}).get("key") for k, v in inputs.items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
-        "extent": span, **extra,
+        "extent": span, **extra, **({"mlflow_model_id": model_id} if model_id else {}),
     }
-    commit(work, folder, manifest, replace=fresh)
+    try:
+        commit(work, folder, manifest, replace=fresh)
+    except BaseException:
+        if model_id:
+            logger.finalize_model(model_id, ok=False)
+        raise
+    if model_id:
+        logger.finalize_model(model_id, ok=True)
     logger.log_metrics({f"{stage}/wall_seconds": wall})
     logger.log_text(json.dumps(manifest, indent=2, sort_keys=True), "manifest.json")
     logger.client.set_terminated(logger.run_id)
     log.info("%s: done in %.1fs, committed %s", stage, wall, storage.join(folder, storage.MANIFEST))
     return {**manifest, "cache_hit": False, "source_run_id": logger.run_id}
+
+
+def log_policy(stage: str, cfg, rule: KeyRule, ref: TrackingRef, where, work: Path, extra: dict[str, Any],
+               logger: MlflowLogger) -> str | None:
+    """A stage that exports a policy (its result's `model_subdir`: sft, grpo, control) logs it as an
+    MLflow logged model of its run, named `<name>-<role>` ("tiny-grpo"; "tiny-start" for the
+    pretrained policy an sft stage that trains nothing commits), with the stage's config sections as
+    params: the experiment's *Models* tab lists the policies, their evals' metrics and registered
+    versions. Its id goes into the manifest (`mlflow_model_id`); None for other stages."""
+    subdir = extra.get("model_subdir")
+    if not subdir:
+        return None
+    role = "start" if extra.get("skipped") else stage
+    what = {"sft": "SFT", "grpo": "GRPO", "control": "SFT-only control", "start": "starting (pretrained)"}[role]
+    uri = storage.join(where.folder, subdir)
+    uri = uri if storage.is_remote(uri) else os.path.abspath(uri)
+    tags = {"posttrain.stage": stage, "posttrain.key": where.key, "posttrain.uri": uri, "posttrain.preset": cfg.name,
+            "posttrain.pipeline_run": ref.parent_run_id}
+    if ref.flow_run_id:
+        tags["prefect.flow_run_id"] = ref.flow_run_id
+    if extra.get("adapter_subdir"):
+        tags["posttrain.lora"] = f"merged ({cfg.model.lora.describe()}); the adapter is the source run's adapter/"
+    description = (f"The {what} policy of preset {cfg.name} (stage {stage}, key {where.key}), also at {uri}: a "
+                   f"transformers save_pretrained folder, weights and tokenizer; download the artifacts and load "
+                   f"them with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained.")
+    params = {section: cfg.to_dict()[section] for section in rule.sections}
+    return logger.log_model(cfg.logged_model_name(role), work / subdir, params, tags, description)
 
 
 def scratch_dir() -> Path:

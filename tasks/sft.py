@@ -48,10 +48,10 @@ def train_and_export(cfg, data: dict, tokenizer: dict | None, work: Path, logger
                "sft/n_truncated": result.n_truncated, "sft/n_params": count_params(lora.inner(engine.module)),
                "sft/trainable_params": lora.trainable_params(engine.module), "sft/world_size": ds.world_size()}
     logger.log_metrics(metrics)
-    logger.log_artifact(work / "model", "model")  # a NullLogger off rank 0
+    # the model folder becomes the run's logged model (tasks.runner.log_policy, in the stage's process)
     out = {"metrics": metrics, "model_subdir": "model", "result": dataclasses.asdict(result)}
     if cfg.model.lora is not None:  # the merged model above, and the adapter that made it
-        logger.log_artifact(work / "adapter", "adapter")
+        logger.log_artifact(work / "adapter", "adapter")  # a NullLogger off rank 0
         logger.set_tags({"posttrain.lora": f"merged ({cfg.model.lora.describe()}); adapter in adapter/"})
         out["adapter_subdir"] = "adapter"
     return out
@@ -69,7 +69,6 @@ def export_pretrained(model, tok, work: Path, logger) -> dict:
     metrics = {"sft/steps": 0, "sft/n_params": count_params(model)}
     logger.log_metrics(metrics)
     logger.set_tags({"posttrain.sft": "disabled: model.pretrained is the starting policy"})
-    logger.log_artifact(work / "model", "model")
     return {"metrics": metrics, "model_subdir": "model", "skipped": True,
             "result": {"steps": 0, "state_hash": ds.state_dict_hash(model), "resumed_from_step": None}}
 

@@ -46,6 +46,9 @@ class Stage:
     # the prepared splits its body reads -> what for (MLflow's dataset context, on its child run's
     # Dataset inputs), or a function of the config that says so
     reads: dict[str, str] | Callable[[RunConfig], dict[str, str]] = field(default_factory=dict)
+    # the input whose policy (weights) its body reads: its run names that policy's MLflow logged
+    # model as an input (the control reads GRPO's result for its time budget, not its weights)
+    policy: str | None = None
 
     def inputs_from(self, results: dict[str, dict | None]) -> dict[str, dict | None]:
         return {name: results.get(row) for name, row in self.inputs.items()}
@@ -87,7 +90,7 @@ STAGES: list[Stage] = [
           "tasks.sft:body", {"data": "prepare_data", "tokenizer": "tokenizer"}, command="sft",
           rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start", reads=TRAINS),
     Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
-          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=_evals),
+          plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=_evals, policy="model"),
     Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
@@ -101,16 +104,17 @@ STAGES: list[Stage] = [
     }, content=grpo_content, extends="grpo.rounds"),
           "tasks.grpo:body", {"data": "prepare_data", "sft": "sft"}, enabled=_grpo_on, command="grpo", task=False,
           rank_body="tasks.grpo:on_rank", plan="tasks.plan:plan_grpo", report="tasks.pipeline:report_grpo",
-          reads=TRAIN_TEST),
+          reads=TRAIN_TEST, policy="sft"),
     Stage("eval (grpo)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "grpo"},
-          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=_evals),
+          enabled=_grpo_on, plan="tasks.plan:plan_eval", report="tasks.pipeline:report_grpo_eval", reads=_evals,
+          policy="model"),
     # the SFT-only control runs SFT's body (and so its key rule's fields)
     Stage("control", "control", KeyRule(("model", "sft", "control"), unkeyed=SFT_UNKEYED, content=model_content),
           "tasks.control:body", {"data": "prepare_data", "sft": "sft", "grpo": "grpo"}, enabled=_control_on,
-          plan="tasks.plan:plan_control", reads=TRAINS),
+          plan="tasks.plan:plan_control", reads=TRAINS, policy="sft"),
     Stage("eval (control)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "control"},
           enabled=_control_on, command="eval", plan="tasks.plan:plan_eval", report="tasks.pipeline:report_control_eval",
-          reads=_evals),
+          reads=_evals, policy="model"),
 ]
 
 

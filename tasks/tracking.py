@@ -56,12 +56,58 @@ class MlflowLogger:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, model_id: str | None = None,
+                    dataset: tuple[str, str] | None = None) -> None:
+        """`model_id`: the metrics are also that logged model's (the policy they measure), measured on
+        `dataset` (its (name, digest), as `dataset_name` names a prepared split)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        name, digest = dataset or (None, None)
+        items = [Metric(k, float(v), now, step or 0, model_id=model_id, dataset_name=name, dataset_digest=digest)
+                 for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=items)
+
+    def log_model(self, name: str, folder: Path, params: dict[str, Any], tags: dict[str, Any],
+                  description: str) -> str:
+        """The policy in `folder` (a save_pretrained folder) as an MLflow logged model this run
+        outputs, the folder its artifacts: the experiment's *Models* tab lists it, the evals' metrics
+        attach to it (log_metrics' `model_id`) and a registered version points at it. It stays PENDING
+        until `finalize_model`; an upload that fails marks it FAILED. Returns its id."""
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+        if not Path(folder).is_dir():  # MLflow would log an empty model
+            raise FileNotFoundError(f"the policy folder {folder} does not exist: nothing to log as MLflow model {name}")
+        experiment = self.client.get_run(self.run_id).info.experiment_id
+        model = self.client.create_logged_model(
+            experiment, name=name, source_run_id=self.run_id, model_type="posttrain-policy",
+            params={k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in flatten(params).items()},
+            tags={**{k: str(v) for k, v in tags.items()}, "mlflow.note.content": description})
+        try:
+            self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step=0)])
+            self.client.log_model_artifacts(model.model_id, str(folder))
+        except BaseException:
+            self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+            raise
+        return model.model_id
+
+    def finalize_model(self, model_id: str, ok: bool) -> None:
+        """READY once the stage's result is committed, else FAILED."""
+        from mlflow.entities import LoggedModelStatus
+
+        self.client.finalize_logged_model(model_id, LoggedModelStatus.READY if ok else LoggedModelStatus.FAILED)
+
+    def known_model(self, model_id: str | None):
+        """The logged model `model_id` if this store has it, else None (a result computed while
+        tracking in another store, or before posttrain logged its policies as models)."""
+        from mlflow.exceptions import MlflowException
+
+        if not model_id:
+            return None
+        try:
+            return self.client.get_logged_model(model_id)
+        except MlflowException:
+            return None
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -100,12 +146,14 @@ class MlflowLogger:
             return f"#/runs/{run_id}"
         return f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
-    def log_reads(self, inputs: dict[str, dict[str, Any] | None], reads: dict[str, str], cached_from: str | None = None) -> None:
+    def log_reads(self, inputs: dict[str, dict[str, Any] | None], reads: dict[str, str], cached_from: str | None = None,
+                  policy: str | None = None) -> None:
         """What a stage's run read (`inputs`: its input name -> that stage's result; `reads`: the
         prepared splits it reads -> what for): the splits as MLflow datasets; each input as tags,
         `posttrain.input.<name>` (the result's key) and `posttrain.input_run.<name>` (the MLflow run
         that computed it); and both as links in the run's description, so the MLflow UI walks from an
-        eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run)."""
+        eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run). The
+        input named `policy` (whose weights the stage reads) also as the MLflow logged model it is."""
         self.log_data(inputs.get("data"), reads)
         tags, lines = {}, []
         if cached_from:
@@ -113,6 +161,7 @@ class MlflowLogger:
         read = {name: m for name, m in inputs.items() if m}
         if read:
             lines += ["Reads:", ""]
+        models = []
         for name, m in read.items():
             source = m.get("source_run_id") or m.get("mlflow_run_id")
             tags[f"posttrain.input.{name}"] = m["key"]
@@ -120,9 +169,22 @@ class MlflowLogger:
             if source:
                 tags[f"posttrain.input_run.{name}"] = source
                 line += f", computed by run [{source}]({self.run_link(source)})"
+            if name == policy and (model := self.known_model(m.get("mlflow_model_id"))):
+                models.append(model.model_id)
+                line += f", logged model [{model.name}]({model_link(model)})"
             lines.append(line)
+        if models:
+            from mlflow.entities import LoggedModelInput
+
+            self.client.log_inputs(self.run_id, models=[LoggedModelInput(m) for m in models])
         if lines:
             self.set_tags({**tags, "mlflow.note.content": "\n".join(lines)})
+
+
+def model_link(model) -> str:
+    """A link, inside the MLflow UI, to a logged model's page in the model-training view."""
+    return f"#/experiments/{model.experiment_id}/models/{model.model_id}?workflowType=machine_learning"
+
 
 def data_inputs(data: dict[str, Any], reads: dict[str, str]) -> list:
     """MLflow dataset inputs for the prepared splits a run reads (`reads`: split -> the context the
@@ -132,12 +194,40 @@ def data_inputs(data: dict[str, Any], reads: dict[str, str]) -> list:
     same rows show the same dataset (MLflow keeps one per experiment), and runs that did not, two.
     Its source is the prepared file under the artifact root; its profile, the row count and where the
     rows came from."""
-    from pathlib import PurePosixPath
-
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     from trainer import storage
+
+    conf = data.get("config", {}).get("data", {})
+    source = conf.get("source", "synthetic")
+    inputs = []
+    for split, context in reads.items():
+        uri = storage.join(data["uri"], f"{split}.jsonl")
+        if not storage.is_remote(uri):
+            uri = os.path.abspath(uri)
+        name, digest = dataset_name(data, split)
+        if source == "hub":
+            label = name[: -len(split) - 1]
+            named = conf.get(f"hub_{split}_split")
+            origin = f"hub {label}, split {named or conf.get('hub_train_split')}" + ("" if named else ", rows held out")
+        elif source == "files":
+            origin = conf.get(split) or f"{conf['train']}, rows held out"
+        else:
+            origin = "generated by posttrain (data.synthetic)"
+        profile = {"num_rows": data.get("metrics", {}).get(f"data/n_{split}"), "from": origin,
+                   "prepare_data_key": data["key"]}
+        dataset = Dataset(name=name, digest=digest, source_type=uri.split("://")[0] if storage.is_remote(uri) else "local",
+                          source=json.dumps({"uri": uri}), profile=json.dumps(profile))
+        inputs.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+    return inputs
+
+
+def dataset_name(data: dict[str, Any], split: str) -> tuple[str, str]:
+    """A prepared split's MLflow dataset (name, digest) (`data`: prepare_data's manifest): named by
+    where its rows came from and the split, digested by the prepared file's content hash (a result
+    committed before that was recorded: the stage's key)."""
+    from pathlib import PurePosixPath
 
     conf = data.get("config", {}).get("data", {})
     source = conf.get("source", "synthetic")
@@ -148,26 +238,7 @@ def data_inputs(data: dict[str, Any], reads: dict[str, str]) -> list:
         label = path.parent.name or path.stem
     else:
         label = "synthetic"
-    inputs = []
-    for split, context in reads.items():
-        uri = storage.join(data["uri"], f"{split}.jsonl")
-        if not storage.is_remote(uri):
-            uri = os.path.abspath(uri)
-        # the split's content hash (a result committed before it was recorded: the stage's key)
-        digest = (data.get("sha256", {}).get(f"{split}.jsonl") or data["key"])[:12]
-        if source == "hub":
-            named = conf.get(f"hub_{split}_split")
-            origin = f"hub {label}, split {named or conf.get('hub_train_split')}" + ("" if named else ", rows held out")
-        elif source == "files":
-            origin = conf.get(split) or f"{conf['train']}, rows held out"
-        else:
-            origin = "generated by posttrain (data.synthetic)"
-        profile = {"num_rows": data.get("metrics", {}).get(f"data/n_{split}"), "from": origin,
-                   "prepare_data_key": data["key"]}
-        dataset = Dataset(name=f"{label}-{split}", digest=digest, source_type=uri.split("://")[0] if storage.is_remote(uri) else "local",
-                          source=json.dumps({"uri": uri}), profile=json.dumps(profile))
-        inputs.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
-    return inputs
+    return f"{label}-{split}", (data.get("sha256", {}).get(f"{split}.jsonl") or data["key"])[:12]
 
 
 _ready: set[str] = set()

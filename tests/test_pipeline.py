@@ -180,20 +180,57 @@ def test_mlflow_parent_and_child_runs(first_run):
     assert len([c for c in children if c.data.tags["posttrain.stage"] == "eval"]) == 3
     assert {"control_accuracy", "vs_control_mcnemar_z", "sft_seen_accuracy", "final_seen_accuracy"} <= set(
         parent.data.metrics)
-    assert "model" in {a.path for a in client.list_artifacts(by_stage["control"].info.run_id)}
     sft = by_stage["sft"]
     losses = client.get_metric_history(sft.info.run_id, "train/loss")
     assert len(losses) >= 10 and losses[-1].value < losses[0].value
     for name in ("train/lr", "train/grad_norm", "train/tokens_per_second"):
         assert client.get_metric_history(sft.info.run_id, name)
-    assert "model" in {a.path for a in client.list_artifacts(sft.info.run_id)}
     grpo = by_stage["grpo"]
     assert len(client.get_metric_history(grpo.info.run_id, "reward/mean")) == 4
     artifacts = {a.path for a in client.list_artifacts(grpo.info.run_id)}
-    assert "rollouts" in artifacts and "model" in artifacts and "history.jsonl" in artifacts
+    assert "rollouts" in artifacts and "history.jsonl" in artifacts  # the model: a logged model (below)
     ev = by_stage["eval"]
     assert "eval/accuracy" in ev.data.metrics and "eval/format_rate" in ev.data.metrics
     assert {"eval_results.json", "eval_seen_results.json"} <= {a.path for a in client.list_artifacts(ev.info.run_id)}
+
+
+def test_each_policy_is_an_mlflow_logged_model_with_its_evals(first_run):
+    """SFT's, GRPO's and the control's policies are MLflow logged models of the runs that made them
+    (the experiment's *Models* tab): READY, the exported folder as their artifacts (not the runs'
+    too), the stage's config as params; each eval's metrics are its model's as well, the held-out
+    ones on the test split's dataset, the seen ones on the training split's; the runs that read a
+    policy name it as an input."""
+    from mlflow import MlflowClient
+    from mlflow.entities import LoggedModelStatus
+
+    _, _, result = first_run
+    client = MlflowClient()
+    by = {s["label"]: json.loads((Path(s["uri"]) / "manifest.json").read_text()) for s in result["stages"]}
+    sha = {split: by["prepare_data"]["sha256"][f"{split}.jsonl"][:12] for split in ("train", "test")}
+    for stage in ("sft", "grpo", "control"):
+        made = by[stage]
+        model = client.get_logged_model(made["mlflow_model_id"])
+        assert model.name == f"tiny-{stage}" and model.status == LoggedModelStatus.READY
+        assert model.source_run_id == made["mlflow_run_id"]
+        assert [o.model_id for o in client.get_run(made["mlflow_run_id"]).outputs.model_outputs] == [model.model_id]
+        assert model.tags["posttrain.key"] == made["key"] and model.tags["posttrain.stage"] == stage
+        assert model.tags["posttrain.uri"] == str(Path(made["uri"]).resolve() / "model")
+        assert model.params[f"{stage}.lr"] == str(made["config"][stage]["lr"])
+        files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, files
+        assert "model" not in {a.path for a in client.list_artifacts(made["mlflow_run_id"])}  # stored once
+        ev = by[f"eval ({stage})"]
+        on_model = {(m.key, m.dataset_name, m.dataset_digest): m.value for m in model.metrics}
+        assert on_model[("eval/accuracy", "synthetic-test", sha["test"])] == ev["metrics"]["eval/accuracy"]
+        assert on_model[("eval/seen_accuracy", "synthetic-train", sha["train"])] == ev["metrics"]["eval/seen_accuracy"]
+        assert on_model[("eval/memorisation_gap", None, None)] == ev["metrics"]["eval/memorisation_gap"]
+        assert {m.run_id for m in model.metrics} == {ev["mlflow_run_id"]}
+        assert [i.model_id for i in client.get_run(ev["mlflow_run_id"]).inputs.model_inputs] == [model.model_id]
+    # GRPO and the control start from the SFT policy: its model is their input, linked in their description
+    for stage in ("grpo", "control"):
+        run = client.get_run(by[stage]["mlflow_run_id"])
+        assert [i.model_id for i in run.inputs.model_inputs] == [by["sft"]["mlflow_model_id"]]
+        assert "logged model [tiny-sft](#/experiments/" in run.data.tags["mlflow.note.content"]
 
 
 def datasets(client, run_id: str) -> dict[str, tuple[str, str]]:

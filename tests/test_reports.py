@@ -4,6 +4,7 @@ compare` between nightly runs. Two real nightly speedruns (small budget) through
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +175,76 @@ def test_compare_says_whether_two_runs_read_the_same_rows(tmp_path):
     assert data_text(none, none) == "data      not recorded for the run and the baseline (no MLflow dataset inputs)"
 
 
+def test_a_policy_is_registered_from_its_logged_model_else_from_where_its_weights_are(tmp_path):
+    """In a real SQLite store other than the process's global one. MLflow's registry looks a
+    models:/ source up in the global store, so here the version points at the logged model's
+    artifact location (the same weights; the session's store, the global one, gets models:/ sources:
+    test_final_policy_registered_with_lineage), and the model lists the version. A result from
+    before posttrain logged policies as models points at its run's model folder, one computed while
+    tracking in another store at its folder under the artifact root. A logged model whose upload
+    fails is FAILED, not left PENDING."""
+    import os
+    import types
+
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.entities import LoggedModelStatus
+
+    from tasks.report import _register, policy_source
+    from tasks.tracking import MlflowLogger, TrackingRef
+    from trainer.config import load_config
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert mlflow.get_tracking_uri() != uri
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("policies")
+    parent, source = (client.create_run(experiment).info.run_id for _ in range(2))
+    logger = MlflowLogger(client, source)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    model_id = logger.log_model("tiny-grpo", folder, {"grpo": {"lr": 1e-3, "stop": ["####"]}}, {"posttrain.key": "k"},
+                                "the GRPO policy")
+    assert client.get_logged_model(model_id).status == LoggedModelStatus.PENDING  # until the result commits
+    logger.finalize_model(model_id, ok=True)
+    model = client.get_logged_model(model_id)
+    assert model.status == LoggedModelStatus.READY and model.params == {"grpo.lr": "0.001", "grpo.stop": '["####"]'}
+    assert [a.path for a in client.list_logged_model_artifacts(model_id)] == ["config.json"]
+
+    artifacts = client.get_run(source).info.artifact_uri
+    policy = {"key": "k", "stage": "grpo", "source_run_id": source, "mlflow_model_id": model_id,
+              "uri": str(tmp_path / "grpo" / "k"), "model_subdir": "model"}
+    stages = {"prepare_data": {"key": "d", "uri": "data"}, "sft": {"key": "s", "source_run_id": source}, "grpo": policy}
+    run = types.SimpleNamespace(logger=MlflowLogger(client, parent), cfg=load_config("tiny"),
+                                ref=TrackingRef(uri, experiment, parent), registered_model=None)
+    client.create_registered_model("posttrain-tiny")
+    name, version = _register(run, stages, "grpo", "posttrain-tiny")
+    assert client.get_model_version(name, version).source == model.artifact_location
+    assert json.loads(client.get_logged_model(model_id).tags["mlflow.modelVersions"]) == [
+        {"name": name, "version": int(version)}]
+    assert client.get_model_version_download_uri(name, version) == model.artifact_location
+
+    previous = os.environ["MLFLOW_TRACKING_URI"]
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{os.path.relpath(tmp_path)}/mlflow.db"  # the same file
+    try:
+        assert policy_source(run.logger, policy) == (f"models:/{model_id}", model_id, artifacts)
+    finally:
+        os.environ["MLFLOW_TRACKING_URI"] = previous
+    older = {**policy, "mlflow_model_id": None}  # before posttrain logged policies as models
+    assert policy_source(run.logger, older) == (f"{artifacts}/model", None, artifacts)
+    elsewhere = {**policy, "mlflow_model_id": "m-" + "0" * 32, "source_run_id": "f" * 32}  # another store's
+    assert policy_source(run.logger, elsewhere) == (str(tmp_path / "grpo" / "k" / "model"), None, None)
+
+    with pytest.raises(FileNotFoundError, match=r"the policy folder .*missing does not exist"):
+        logger.log_model("tiny-sft", tmp_path / "missing", {}, {}, "a folder that is not there")
+    (tmp_path / "a-file").write_text("")  # an artifact store that cannot be written: the upload fails
+    broken = client.create_experiment("broken", artifact_location=str(tmp_path / "a-file" / "artifacts"))
+    with pytest.raises(OSError):
+        MlflowLogger(client, client.create_run(broken).info.run_id).log_model("tiny-sft", folder, {}, {}, "")
+    assert [(m.name, m.status) for m in client.search_logged_models([experiment, broken])
+            if m.name == "tiny-sft"] == [("tiny-sft", LoggedModelStatus.FAILED)]
+
+
 def test_final_policy_registered_with_lineage(nightlies):
     from mlflow import MlflowClient
 
@@ -191,7 +262,13 @@ def test_final_policy_registered_with_lineage(nightlies):
         grpo_run = client.get_run(v.tags["posttrain.grpo_run"])
         assert grpo_run.data.tags["posttrain.stage"] == "grpo" and v.run_id == grpo_run.info.run_id
         assert client.get_run(v.tags["posttrain.sft_run"]).data.tags["posttrain.stage"] == "sft"
-        assert v.source.endswith("/model")
+        # the version is the GRPO run's logged model (the *Models* tab's policy), its weights downloadable
+        grpo = json.loads((Path(stages["grpo"]["uri"]) / "manifest.json").read_text())
+        assert v.source == f"models:/{grpo['mlflow_model_id']}"
+        model = client.get_logged_model(grpo["mlflow_model_id"])
+        assert {"name": MODEL, "version": int(v.version)} in json.loads(model.tags["mlflow.modelVersions"])
+        download = Path(client.get_model_version_download_uri(MODEL, v.version).removeprefix("file://"))
+        assert (download / "model.safetensors").is_file() and (download / "config.json").is_file()
     # the second run reused data and SFT from cache: same lineage there
     assert versions[0].tags["posttrain.sft_key"] == versions[1].tags["posttrain.sft_key"]
     assert versions[0].tags["posttrain.config_hash"] != versions[1].tags["posttrain.config_hash"]

@@ -157,8 +157,9 @@ def test_sigkill_mid_round_of_a_multi_turn_ppo_lora_stage_then_rerun_is_exact(tm
 
 
 def check_lora_lineage(result: dict) -> None:
-    """A LoRA run's stages: the merged model and the adapter in each training stage's folder and MLflow
-    run, the tags naming the adapter, and the registered version pointing at both."""
+    """A LoRA run's stages: the merged model and the adapter in each training stage's folder; in
+    MLflow, the merged model as the stage run's logged model and the adapter among the run's
+    artifacts; the tags naming the adapter, and the registered version pointing at both."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
@@ -170,7 +171,9 @@ def check_lora_lineage(result: dict) -> None:
         assert config["architectures"] == ["LlamaForCausalLM"]  # a plain model, the adapter merged in
         run = client.get_run(m["mlflow_run_id"])
         assert run.data.tags["posttrain.lora"].startswith("merged (rank 4")
-        assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"model", "adapter"}
+        assert "adapter" in {a.path for a in client.list_artifacts(run.info.run_id)}
+        model = client.get_logged_model(m["mlflow_model_id"])  # the merged model: the run's logged model
+        assert model.source_run_id == run.info.run_id and model.tags["posttrain.lora"].startswith("merged (rank 4")
     assert manifest(result, "sft")["metrics"]["sft/trainable_params"] < manifest(result, "sft")["metrics"]["sft/n_params"] / 5
     name, version = result["registered_model"].split("/")
     tags = client.get_model_version(name, version).tags

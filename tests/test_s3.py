@@ -153,8 +153,9 @@ def test_transient_s3_outage_is_retried(s3, s3_server, caplog, monkeypatch):
     fsspec.filesystem("s3").clear_instance_cache()
 
 
-def test_mlflow_artifacts_on_s3(s3):
-    """tracking.artifact_location=s3://...: a new experiment keeps its MLflow artifacts on S3."""
+def test_mlflow_artifacts_on_s3(s3, tmp_path):
+    """tracking.artifact_location=s3://...: a new experiment keeps its MLflow artifacts on S3, its
+    logged models' (the policies' weights) too."""
     import s3fs
     from mlflow import MlflowClient
 
@@ -166,9 +167,14 @@ def test_mlflow_artifacts_on_s3(s3):
     exp = experiment_id(client, "s3-artifacts", location)
     assert client.get_experiment(exp).artifact_location == location
     run = client.create_run(exp)
-    MlflowLogger(client, run.info.run_id).log_text("hello from posttrain", "notes/hello.txt")
+    logger = MlflowLogger(client, run.info.run_id)
+    logger.log_text("hello from posttrain", "notes/hello.txt")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    model = logger.log_model("tiny-sft", tmp_path / "model", {}, {}, "an SFT policy")
     keys = s3fs.S3FileSystem().find(location.removeprefix("s3://"))
     assert any(k.endswith(f"{run.info.run_id}/artifacts/notes/hello.txt") for k in keys), keys
+    assert any(k.endswith(f"models/{model}/artifacts/config.json") for k in keys), keys
     assert experiment_id(client, "s3-artifacts", location) == exp  # found again, not re-created
 
 

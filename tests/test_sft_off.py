@@ -72,6 +72,10 @@ def test_the_summary_and_mlflow_name_the_starting_policy(run):
     assert parent.data.tags["posttrain.start_policy"] == f"pretrained: {model}"
     assert parent.data.metrics["start_accuracy"] == head["start_accuracy"]
     assert parent.data.metrics["mcnemar_z"] == head["mcnemar_z"]
+    # the starting policy's MLflow logged model says what it is, and carries its eval's accuracy
+    start = MlflowClient().get_logged_model(manifest(result, "sft")["mlflow_model_id"])
+    assert start.name == "tiny-start" and "starting (pretrained) policy" in start.tags["mlflow.note.content"]
+    assert {m.key: m.value for m in start.metrics}["eval/accuracy"] == head["start_accuracy"]
 
 
 def test_the_dry_run_shows_the_plan_without_sft(run, tmp_path):

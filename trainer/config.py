@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -546,6 +547,13 @@ class RunConfig(Strict):
         """The MLflow Model Registry name of the final policy (tracking.registered_model, or from the name)."""
         return self.tracking.registered_model if self.tracking.registered_model is not None else \
             f"posttrain-{self.name.replace('.', '-')}"
+
+    def logged_model_name(self, role: str) -> str:
+        """The MLflow logged model name of one of this run's policies (`role`: sft, grpo, control,
+        start): `<name>-<role>`, with what MLflow refuses in those names ('/', ':', '.', '%', quotes)
+        made '-' ("qwen2.5-0.5b-gsm8k" -> "qwen2-5-0-5b-gsm8k-grpo")."""
+        base = re.sub(r"[/:.%\"'\s]+", "-", self.name).strip("-") or "posttrain"
+        return f"{base}-{role}"
 
     def eval_engine(self) -> str:
         """What answers the eval stages: "hf" or "sglang" (eval.engine resolved against rollout.engine)."""
