@@ -65,8 +65,6 @@ def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) 
     from rich.console import Console
     from rich.table import Table
 
-    from tasks.tracking import tracking_uri
-
     console = Console()
     table = Table(title="posttrain summary")
     for col in ("stage", "status", "wall s", "key metric"):
@@ -101,13 +99,14 @@ def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) 
     if result.get("comparison"):
         console.print("against the best earlier nightly:")
         console.print(result["comparison"], markup=False, highlight=False)
-    from tasks.pipeline import mlflow_ui_urls
+    from tasks.pipeline import mlflow_models_url, mlflow_ui_urls
 
     table, page = mlflow_ui_urls(result["mlflow_experiment_id"], result["mlflow_run_id"])
     plain = {"markup": False, "highlight": False, "soft_wrap": True}  # ids and URLs whole, never wrapped
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}", **plain)
     console.print(f"MLflow runs table: {table}", **plain)
     console.print(f"this run:          {page}", **plain)
+    console.print(f"policies (models): {mlflow_models_url(table)}", **plain)
     for line in where_to_look(result["flow_run_id"], temporary_prefect):
         console.print(line, **plain)
 
