@@ -245,8 +245,10 @@ def test_a_policy_is_registered_from_its_logged_model_else_from_where_its_weight
             if m.name == "tiny-sft"] == [("tiny-sft", LoggedModelStatus.FAILED)]
 
 
-def test_final_policy_registered_with_lineage(nightlies):
+def test_final_policy_registered_with_lineage(nightlies, tmp_path):
+    import mlflow
     from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     client = MlflowClient()
     versions = sorted(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
@@ -267,8 +269,10 @@ def test_final_policy_registered_with_lineage(nightlies):
         assert v.source == f"models:/{grpo['mlflow_model_id']}"
         model = client.get_logged_model(grpo["mlflow_model_id"])
         assert {"name": MODEL, "version": int(v.version)} in json.loads(model.tags["mlflow.modelVersions"])
-        download = Path(client.get_model_version_download_uri(MODEL, v.version).removeprefix("file://"))
-        assert (download / "model.safetensors").is_file() and (download / "config.json").is_file()
+        # what the README's `mlflow artifacts download --artifact-uri models:/<name>/<version>` does
+        folder = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{v.version}", dst_path=str(tmp_path / v.version))
+        assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == 1
+        assert AutoTokenizer.from_pretrained(folder).chat_template
     # the second run reused data and SFT from cache: same lineage there
     assert versions[0].tags["posttrain.sft_key"] == versions[1].tags["posttrain.sft_key"]
     assert versions[0].tags["posttrain.config_hash"] != versions[1].tags["posttrain.config_hash"]
