@@ -270,7 +270,8 @@ def test_final_policy_registered_with_lineage(nightlies, tmp_path):
         model = client.get_logged_model(grpo["mlflow_model_id"])
         assert {"name": MODEL, "version": int(v.version)} in json.loads(model.tags["mlflow.modelVersions"])
         # what the README's `mlflow artifacts download --artifact-uri models:/<name>/<version>` does
-        folder = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{v.version}", dst_path=str(tmp_path / v.version))
+        folder = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{v.version}",
+                                                     dst_path=str(tmp_path / str(v.version)))
         assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == 1
         assert AutoTokenizer.from_pretrained(folder).chat_template
     # the second run reused data and SFT from cache: same lineage there
