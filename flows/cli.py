@@ -106,7 +106,7 @@ def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) 
     console.print(f"MLflow run: {result['mlflow_run_id']}    Prefect flow run: {result['flow_run_id']}", **plain)
     console.print(f"MLflow runs table: {table}", **plain)
     console.print(f"this run:          {page}", **plain)
-    console.print(f"policies (models): {mlflow_models_url(table)}", **plain)
+    console.print(f"policies (models): {mlflow_models_url(result['mlflow_experiment_id'])}", **plain)
     for line in where_to_look(result["flow_run_id"], temporary_prefect):
         console.print(line, **plain)
 

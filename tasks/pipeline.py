@@ -105,16 +105,19 @@ RUNS_TABLE_QUERY = ("workflowType=machine_learning&searchFilter=metrics.final_ac
 def mlflow_ui_urls(experiment_id: str, run_id: str | None = None, ui: str | None = None) -> tuple[str, str | None]:
     """The MLflow UI's runs table of an experiment, and a run's page: under `ui`, else the tracking
     server when MLFLOW_TRACKING_URI is one, else where `make serve` (and `mlflow ui`) listen by default."""
-    uri = tracking_uri()
-    base = (ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")).rstrip("/")
-    runs = f"{base}/#/experiments/{experiment_id}/runs"
+    runs = f"{_ui_base(ui)}/#/experiments/{experiment_id}/runs"
     return f"{runs}?{RUNS_TABLE_QUERY}", (f"{runs}/{run_id}?workflowType=machine_learning" if run_id else None)
 
 
-def mlflow_models_url(runs_table: str) -> str:
-    """The experiment's *Models* tab (its policies as logged models, with their evals' metrics), beside
-    the runs table `mlflow_ui_urls` gives."""
-    return runs_table.split("/runs?", 1)[0] + "/models?workflowType=machine_learning"
+def mlflow_models_url(experiment_id: str, ui: str | None = None) -> str:
+    """The experiment's *Models* tab in the MLflow UI (its policies as logged models, with their
+    evals' metrics), where `mlflow_ui_urls` finds the UI."""
+    return f"{_ui_base(ui)}/#/experiments/{experiment_id}/models?workflowType=machine_learning"
+
+
+def _ui_base(ui: str | None) -> str:
+    uri = tracking_uri()
+    return (ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")).rstrip("/")
 
 
 def _flow_run() -> tuple[str | None, str | None]:
