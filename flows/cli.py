@@ -27,6 +27,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 from tasks import stages  # noqa: E402
+from tasks.sources import is_model_uri, lookup  # noqa: E402
 from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.errors import InputError  # noqa: E402
 
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 2 if problems else 0
     try:
+        if is_model_uri(cfg.model.pretrained):  # a models:/ URI the store does not have: said before the flow runs
+            from tasks.tracking import mlflow_client, tracking_uri
+
+            lookup(mlflow_client(tracking_uri()), cfg.model.pretrained)
         stages.check_servers(cfg, stages.until_for(args.command))
         if args.json_out and args.json_out != "-":
             _check_json_out(args.json_out)

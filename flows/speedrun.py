@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 from pydantic import Field
 
-from tasks import report, stages
+from tasks import report, sources, stages
 from tasks.pipeline import pipeline_run, report_final, run_row
 from trainer import preflight
 from trainer.config import load_config, preset_names
@@ -39,13 +39,13 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
                  nightly: bool = False) -> dict:
     """The rows of tasks/stages.py's table in order, up to the row named `until` (None: all of
     them, then the headline metrics, the registered policy and the report)."""
-    cfg = load_config(preset, overrides)
+    cfg, source = sources.resolve(load_config(preset, overrides))  # a models:/ model.pretrained: downloaded
     preflight.check(cfg)  # a custom environment or reward that cannot be used stops the run here
     stages.check_servers(cfg, until)  # ... and SGLang servers that cannot start here
     preflight.check_root(cfg)  # ... and an artifact_root that cannot hold results, before any MLflow run
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
-    with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly) as run:
+    with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly, source) as run:
         for row in stages.until(until):
             if not row.enabled(cfg):
                 continue

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from tasks.sources import ModelSource
 from tasks.tracking import (MlflowLogger, TrackingError, TrackingRef, artifact_store_problem, ended_status,
                             mlflow_client, prefect_logger, tracking_uri)
 from trainer import storage
@@ -27,6 +28,11 @@ class PipelineRun:
     headline: dict[str, float] = field(default_factory=dict)
     registered_model: str | None = None  # "name/version" once the final policy is registered
     comparison: str | None = None  # nightly runs: the comparison with the best earlier nightly
+    source: ModelSource | None = None  # what a models:/ model.pretrained named (cfg holds its download)
+
+    def pretrained(self) -> str | None:
+        """model.pretrained as configured (a models:/ URI pinned to its version), not its download."""
+        return self.source.pinned if self.source else self.cfg.model.pretrained
 
     def add(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Record a finished stage (ran or cache hit) and pass its manifest on; the prepared data's
@@ -143,7 +149,9 @@ def warm_up() -> None:
 
 @contextmanager
 def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = frozenset(),
-                 nightly: bool = False) -> Iterator[PipelineRun]:
+                 nightly: bool = False, source: ModelSource | None = None) -> Iterator[PipelineRun]:
+    """The pipeline's MLflow parent run, with the resolved config as params and config.yaml (`source`:
+    what a models:/ model.pretrained named, which they show pinned, and the run's tags name)."""
     log = prefect_logger()
     uri = tracking_uri()
     client = mlflow_client(uri)
@@ -155,12 +163,17 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     if flow_run_id:
         tags.update({"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name or ""})
     run = client.create_run(exp_id, run_name=f"{flow_name}-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
-    ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id, frozenset(recompute))
+    ref = TrackingRef(uri, exp_id, run.info.run_id, flow_run_id, frozenset(recompute),
+                      source.model_id if source else None)
     logger = MlflowLogger(client, run.info.run_id)
     log.info("MLflow run %s (experiment %r, tracking %s)", run.info.run_id, cfg.tracking.experiment, uri)
     try:  # from here on a failure ends the MLflow run as failed, not running for good
-        logger.log_params(cfg.to_dict())
-        resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        shown = cfg.to_dict()
+        if source:
+            shown["model"]["pretrained"] = source.pinned
+            logger.log_source(source)
+        logger.log_params(shown)
+        resolved = yaml.safe_dump(shown, sort_keys=False)
         try:  # the run's first artifact: where an artifact store this process cannot use shows
             logger.log_text(resolved, "config.yaml")
         except Exception as exc:
@@ -169,7 +182,7 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
                 raise
             raise TrackingError(artifact_store_problem(problem)) from None
         storage.write_text(storage.join(cfg.artifact_root, "runs", run.info.run_id, "config.yaml"), resolved)
-        pipe = PipelineRun(cfg, ref, logger, flow_name)
+        pipe = PipelineRun(cfg, ref, logger, flow_name, source=source)
         yield pipe
     except BaseException as exc:
         client.set_terminated(run.info.run_id, ended_status(exc))
@@ -228,8 +241,7 @@ def publish_inputs(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -
 
 
 def report_start(run: PipelineRun, results: dict) -> None:
-    cfg = run.cfg
-    run.logger.set_tags({"posttrain.start_policy": "sft" if cfg.sft.enabled else f"pretrained: {cfg.model.pretrained}"})
+    run.logger.set_tags({"posttrain.start_policy": "sft" if run.cfg.sft.enabled else f"pretrained: {run.pretrained()}"})
 
 
 def report_start_eval(run: PipelineRun, results: dict) -> None:

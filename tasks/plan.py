@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.results import scratch_root, work_dir_for
+from tasks.sources import is_model_uri
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
 from trainer.gguf_source import GGUFError, is_registry, registry_dir, registry_parts
@@ -74,6 +75,26 @@ def _check_path(field: str, ref: str | None, problems: list[str], notes: list[st
         problems.append(f"{field}: {ref!r} is empty; it needs rows (a .jsonl file holds one JSON object per line)")
     else:
         notes.append(f"{field}: {path.resolve()} (found)")
+
+
+def _model_source(cfg: RunConfig, problems: list[str], notes: list[str]) -> RunConfig:
+    """A models:/ model.pretrained, looked up in the tracking store (nothing downloaded): `cfg` with
+    its folder where this machine has downloaded it already (the stages' keys hold its content), else
+    as it is (its stages then show as to run)."""
+    from tasks.sources import ModelSourceError, lookup, with_folder
+    from tasks.tracking import mlflow_client, tracking_uri
+
+    try:
+        source = lookup(mlflow_client(tracking_uri()), cfg.model.pretrained)
+    except ModelSourceError as exc:
+        problems.append(str(exc))
+        return cfg
+    folder = source.folder()
+    if not (folder / ".complete").exists():
+        notes.append(f"model.pretrained: {source.describe()}; downloaded on first use into {folder}")
+        return cfg
+    notes.append(f"model.pretrained: {source.describe()}; downloaded already: {folder}")
+    return with_folder(cfg, folder)
 
 
 def _check_root(root: str, problems: list[str]) -> None:
@@ -252,7 +273,10 @@ def walk(cfg: RunConfig, until: str | None = None) -> Walk:
         _check_path("data.test", d.test, problems, notes)
     elif d.source == "hub":
         notes.append(f"data: hub dataset {d.hub_name} (needs hub access, or a local datasets cache)")
-    _check_path("model.pretrained", cfg.model.pretrained, problems, notes, model=True)
+    if is_model_uri(cfg.model.pretrained):
+        cfg = _model_source(cfg, problems, notes)
+    else:
+        _check_path("model.pretrained", cfg.model.pretrained, problems, notes, model=True)
     _check_root(cfg.artifact_root, problems)
     _check_artifact_location(cfg.tracking.artifact_location, problems)
     for section in ("sft", "grpo"):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import lease
-from tasks.tracking import prefect_logger
+from tasks.tracking import prefect_logger, same_store
 from trainer import storage
 
 COMPARED = ("final_accuracy", "final_flexible_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy",
@@ -184,8 +184,7 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
     for v in client.search_model_versions(f"name = '{name}'"):
         if v.tags.get("posttrain.policy_key") == policy["key"]:
             log.info("final policy already registered as %s version %s", name, v.version)
-            run.registered_model = f"{name}/{v.version}"
-            run.logger.set_tags({"posttrain.registered_model": run.registered_model})
+            _registered(run, f"{name}/{v.version}", policy)
             return name, v.version
     source_run = policy["source_run_id"]
     source, model_id, run_artifacts = policy_source(run.logger, policy)
@@ -212,10 +211,21 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         listed = json.loads(client.get_logged_model(model_id).tags.get("mlflow.modelVersions") or "[]")
         client.set_logged_model_tags(model_id, {"mlflow.modelVersions": json.dumps(
             listed + [{"name": name, "version": version.version}])})
-    run.registered_model = f"{name}/{version.version}"
-    run.logger.set_tags({"posttrain.registered_model": run.registered_model})
+    _registered(run, f"{name}/{version.version}", policy)
     log.info("registered the final policy as %s version %s", name, version.version)
     return name, version.version
+
+
+def _registered(run, version: str, policy: dict) -> None:
+    """The pipeline's run names its registered policy: a tag, and the policy's logged model as the
+    run's output (its page's *Registered models* then shows the version; the model's source run
+    stays the stage that trained it)."""
+    from mlflow.entities import LoggedModelOutput
+
+    run.registered_model = version
+    run.logger.set_tags({"posttrain.registered_model": version})
+    if model := run.logger.known_model(policy.get("mlflow_model_id")):
+        run.logger.client.log_outputs(run.logger.run_id, [LoggedModelOutput(model.model_id, step=0)])
 
 
 def policy_source(logger, policy: dict) -> tuple[str, str | None, str | None]:
@@ -241,16 +251,6 @@ def policy_source(logger, policy: dict) -> tuple[str, str | None, str | None]:
     if artifacts:
         return f"{artifacts}/{policy['model_subdir']}", None, artifacts
     return storage.join(policy["uri"], policy["model_subdir"]), None, None
-
-
-def same_store(a: str, b: str) -> bool:
-    """Whether two tracking URIs name one store (a relative SQLite path as the absolute one)."""
-    import os
-
-    def norm(uri: str) -> str:
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else uri.rstrip("/")
-
-    return norm(a) == norm(b)
 
 
 def config_hash(cfg) -> str:

@@ -28,11 +28,11 @@ _held: contextvars.ContextVar[lease.StageLease | None] = contextvars.ContextVar(
 
 
 def _cache_hit(stage: str, where, ref: TrackingRef, t0: float, reads: dict[str, str], inputs: dict,
-               policy: str | None) -> dict[str, Any]:
+               policy: str | None, start: str | None) -> dict[str, Any]:
     manifest = where.manifest
     source = manifest.get("mlflow_run_id", "")
     logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
-    logger.log_reads(inputs, reads, cached_from=source, policy=policy)
+    logger.log_reads(inputs, reads, cached_from=source, policy=policy, pretrained=start)
     logger.log_metrics(manifest.get("metrics", {}))
     logger.client.set_terminated(logger.run_id)
     prefect_logger().info("%s: cache hit (key %s) at %s", stage, where.key, where.folder)
@@ -59,10 +59,12 @@ def run_stage(
     t0 = time.perf_counter()
     recompute = row in ref.recompute
     rule = rule_for(stage)
-    reads, policy = stages.row(row).splits_read(cfg), stages.row(row).policy
+    this = stages.row(row)
+    reads, policy = this.splits_read(cfg), this.policy
+    start = ref.pretrained_model_id if this.pretrained else None  # the logged model a models:/ start names
     where = resolve(cfg, stage, rule, inputs)
     if where.manifest is not None and not recompute and not damage(where.folder, where.manifest):
-        return _cache_hit(stage, where, ref, t0, reads, inputs, policy)
+        return _cache_hit(stage, where, ref, t0, reads, inputs, policy, start)
     while True:
         key = where.key
         say = lambda msg: log.info("%s (key %s): %s", stage, key, msg)  # noqa: E731
@@ -76,19 +78,19 @@ def run_stage(
             if where.manifest is not None and not recompute:
                 broken = damage(where.folder, where.manifest)
                 if not broken:
-                    return _cache_hit(stage, where, ref, t0, reads, inputs, policy)
+                    return _cache_hit(stage, where, ref, t0, reads, inputs, policy, start)
                 log.warning("%s: the result at %s is damaged (%s); computing it again beside it", stage,
                             where.folder, broken)
                 fresh = True
             token = _held.set(held)
             try:
-                return _compute(stage, rule, cfg, inputs, body, ref, where, held, fresh, t0, reads, policy)
+                return _compute(stage, rule, cfg, inputs, body, ref, where, held, fresh, t0, reads, policy, start)
             finally:
                 _held.reset(token)
 
 
 def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, held: lease.StageLease, fresh: bool,
-             t0: float, reads: dict[str, str], policy: str | None) -> dict[str, Any]:
+             t0: float, reads: dict[str, str], policy: str | None, start: str | None) -> dict[str, Any]:
     log = prefect_logger()
     folder = where.folder
     span = extent(cfg, rule)
@@ -124,7 +126,7 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
                     "them; it ran on %s): restarting from the stage's input", stage, took_over,
                     held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
-    logger.log_reads(inputs, reads, policy=policy)
+    logger.log_reads(inputs, reads, policy=policy, pretrained=start)
     sections = rule.sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s) in %s; MLflow child run %s", stage, where.key, folder, logger.run_id)

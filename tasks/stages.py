@@ -49,6 +49,9 @@ class Stage:
     # the input whose policy (weights) its body reads: its run names that policy's MLflow logged
     # model as an input (the control reads GRPO's result for its time budget, not its weights)
     policy: str | None = None
+    # its body starts from model.pretrained's weights: where that is an MLflow model (tasks/sources.py),
+    # its run lists that logged model as an input
+    pretrained: bool = False
 
     def inputs_from(self, results: dict[str, dict | None]) -> dict[str, dict | None]:
         return {name: results.get(row) for name, row in self.inputs.items()}
@@ -88,7 +91,8 @@ STAGES: list[Stage] = [
           enabled=lambda cfg: cfg.tokenizer.train, command="tokenizer", reads=TRAINS),
     Stage("sft", "sft", KeyRule(("model", "tokenizer", "sft"), unkeyed=SFT_UNKEYED, content=model_content),
           "tasks.sft:body", {"data": "prepare_data", "tokenizer": "tokenizer"}, command="sft",
-          rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start", reads=TRAINS),
+          rank_body="tasks.sft:on_rank", plan="tasks.plan:plan_sft", report="tasks.pipeline:report_start", reads=TRAINS,
+          pretrained=True),
     Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
           plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=_evals, policy="model"),
     Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={

@@ -18,17 +18,31 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 @dataclass(frozen=True)
 class TrackingRef:
     """What every stage of one pipeline run shares (picklable, small): the MLflow parent run it
-    logs under, the Prefect flow run, and the stages this run must recompute despite the cache."""
+    logs under, the Prefect flow run, the stages this run must recompute despite the cache, and the
+    MLflow logged model a models:/ model.pretrained named (the stage that starts from it lists it)."""
 
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
     flow_run_id: str | None = None
     recompute: frozenset[str] = frozenset()
+    pretrained_model_id: str | None = None
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def store_id(uri: str) -> str:
+    """A tracking URI as one name per store (a relative SQLite path as the absolute one)."""
+    if uri.startswith("sqlite:///"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    return uri.rstrip("/")
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two tracking URIs name one store."""
+    return store_id(a) == store_id(b)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -146,22 +160,40 @@ class MlflowLogger:
             return f"#/runs/{run_id}"
         return f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
+    def log_source(self, source) -> None:
+        """The MLflow model a models:/ model.pretrained named (tasks/sources.py), as tags of the
+        pipeline's run: as configured, pinned, and its logged model. (The sft stage's run lists the
+        model as its input: on the pipeline's run, MLflow's *Registered models* would show the
+        starting policy's version beside the one the run registers.)"""
+        tags = {"posttrain.pretrained": source.ref, "posttrain.pretrained_uri": source.pinned}
+        if source.model_id:
+            tags["posttrain.pretrained_model_id"] = source.model_id
+        self.set_tags(tags)
+
     def log_reads(self, inputs: dict[str, dict[str, Any] | None], reads: dict[str, str], cached_from: str | None = None,
-                  policy: str | None = None) -> None:
+                  policy: str | None = None, pretrained: str | None = None) -> None:
         """What a stage's run read (`inputs`: its input name -> that stage's result; `reads`: the
         prepared splits it reads -> what for): the splits as MLflow datasets; each input as tags,
         `posttrain.input.<name>` (the result's key) and `posttrain.input_run.<name>` (the MLflow run
         that computed it); and both as links in the run's description, so the MLflow UI walks from an
         eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run). The
-        input named `policy` (whose weights the stage reads) also as the MLflow logged model it is."""
+        input named `policy` (whose weights the stage reads) also as the MLflow logged model it is, and
+        so the logged model `pretrained` a models:/ model.pretrained named (for the stage that starts
+        from it)."""
         self.log_data(inputs.get("data"), reads)
         tags, lines = {}, []
         if cached_from:
             lines += [f"From cache: the result of run [{cached_from}]({self.run_link(cached_from)}).", ""]
         read = {name: m for name, m in inputs.items() if m}
+        models = []
+        if start := self.known_model(pretrained):
+            models.append(start.model_id)
+            tags["posttrain.pretrained_model_id"] = start.model_id
+            by = start.source_run_id
+            lines += [f"Starts from logged model [{start.name}]({model_link(start)}) (model.pretrained)"
+                      + (f", computed by run [{by}]({self.run_link(by)})." if by else "."), ""]
         if read:
             lines += ["Reads:", ""]
-        models = []
         for name, m in read.items():
             source = m.get("source_run_id") or m.get("mlflow_run_id")
             tags[f"posttrain.input.{name}"] = m["key"]

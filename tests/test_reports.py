@@ -269,6 +269,8 @@ def test_final_policy_registered_with_lineage(nightlies, tmp_path):
         assert v.source == f"models:/{grpo['mlflow_model_id']}"
         model = client.get_logged_model(grpo["mlflow_model_id"])
         assert {"name": MODEL, "version": int(v.version)} in json.loads(model.tags["mlflow.modelVersions"])
+        # the pipeline's run outputs it too: its page's *Registered models* shows the version
+        assert [m.model_id for m in parent.outputs.model_outputs] == [grpo["mlflow_model_id"]]
         # what the README's `mlflow artifacts download --artifact-uri models:/<name>/<version>` does
         folder = mlflow.artifacts.download_artifacts(f"models:/{MODEL}/{v.version}",
                                                      dst_path=str(tmp_path / str(v.version)))
@@ -277,6 +279,81 @@ def test_final_policy_registered_with_lineage(nightlies, tmp_path):
     # the second run reused data and SFT from cache: same lineage there
     assert versions[0].tags["posttrain.sft_key"] == versions[1].tags["posttrain.sft_key"]
     assert versions[0].tags["posttrain.config_hash"] != versions[1].tags["posttrain.config_hash"]
+
+
+def test_a_registered_policy_starts_a_new_run(nightlies, tmp_path, monkeypatch, capsys):
+    """`model.pretrained: models:/<name>@<alias>` (tasks/sources.py) through the CLI: the alias is
+    pinned to its version in the run's params, the policy's weights are the start's, and the run and
+    its sft stage list the logged model they started from. The same model by version or by id is one
+    download and so one SFT key (cache hit); moving the alias starts from the other version. A URI
+    the store cannot serve stops before any flow runs, naming what it has."""
+    import torch
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    from flows.cli import main
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    client = MlflowClient()
+    client.set_registered_model_alias(MODEL, "champion", "1")
+    grpo = [json.loads((Path(s["uri"]) / "manifest.json").read_text())
+            for r in nightlies for s in r["stages"] if s["stage"] == "grpo"]
+    out = tmp_path / "r.json"
+    base = [f"artifact_root={tmp_path / 'art'}", "tracking.experiment=from-registry", "sft.enabled=false",
+            "tokenizer.train=false", "data.synthetic.n_train=60", "data.synthetic.n_test=8", "eval.max_new_tokens=8",
+            "eval.seen_examples=4", "control.enabled=false"]
+
+    def start_from(ref: str, *extra: str) -> tuple[int, dict]:
+        argv = ["sft", "--json", str(out)]
+        for o in [*base, f"model.pretrained={ref}", *extra]:
+            argv += ["--set", o]
+        out.unlink(missing_ok=True)
+        code = main(argv)
+        return code, json.loads(out.read_text()) if code == 0 else {}
+
+    code, result = start_from(f"models:/{MODEL}@champion")
+    assert code == 0
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.data.params["model.pretrained"] == f"models:/{MODEL}/1"
+    assert parent.data.tags["posttrain.pretrained"] == f"models:/{MODEL}@champion"
+    assert parent.data.tags["posttrain.start_policy"] == f"pretrained: models:/{MODEL}/1"
+    assert parent.data.tags["posttrain.pretrained_model_id"] == grpo[0]["mlflow_model_id"]
+    assert not parent.inputs.model_inputs  # its sft stage's run lists it (below)
+    [sft] = [s for s in result["stages"] if s["stage"] == "sft"]
+    assert sft["label"] == "sft (off: pretrained)" and not sft["cache_hit"]
+    start, policy = (AutoModelForCausalLM.from_pretrained(str(Path(m["uri"]) / "model")).state_dict()
+                     for m in (sft, grpo[0]))
+    assert start.keys() == policy.keys() and all(torch.equal(start[k], policy[k]) for k in policy)
+    sft_run = client.get_run(json.loads((Path(sft["uri"]) / "manifest.json").read_text())["mlflow_run_id"])
+    assert [m.model_id for m in sft_run.inputs.model_inputs] == [grpo[0]["mlflow_model_id"]]
+    model = client.get_logged_model(grpo[0]["mlflow_model_id"])
+    assert sft_run.data.tags["mlflow.note.content"].startswith(
+        f"Starts from logged model [tiny-grpo](#/experiments/{model.experiment_id}/models/{model.model_id}?")
+    assert f"computed by run [{grpo[0]['mlflow_run_id']}]" in sft_run.data.tags["mlflow.note.content"]
+
+    # the same model named by its version and by its id: the same download, so the same SFT key
+    for ref in (f"models:/{MODEL}/1", f"models:/{grpo[0]['mlflow_model_id']}"):
+        code, again = start_from(ref)
+        assert code == 0 and [s["cache_hit"] for s in again["stages"] if s["stage"] == "sft"] == [True]
+    # the alias moved: the other policy, another key
+    client.set_registered_model_alias(MODEL, "champion", "2")
+    code, moved = start_from(f"models:/{MODEL}@champion")
+    assert code == 0 and client.get_run(moved["mlflow_run_id"]).data.params["model.pretrained"] == f"models:/{MODEL}/2"
+    [sft2] = [s for s in moved["stages"] if s["stage"] == "sft"]
+    assert not sft2["cache_hit"] and sft2["key"] != sft["key"]
+    assert len(list((tmp_path / "cache" / "mlflow-models").glob("[!.]*"))) == 2
+
+    # the dry run says what the URI names now; a URI the store cannot serve stops before any flow runs
+    capsys.readouterr()
+    assert main(["sft", "--dry-run", "--set", f"model.pretrained=models:/{MODEL}@champion",
+                 *[a for o in base for a in ("--set", o)]]) == 0
+    assert f"note: model.pretrained: models:/{MODEL}@champion (now models:/{MODEL}/2): logged model tiny-grpo " \
+           f"{grpo[1]['mlflow_model_id']}; downloaded already: " in capsys.readouterr().out
+    runs = len(client.search_runs([parent.info.experiment_id]))
+    assert start_from(f"models:/{MODEL}/9")[0] == 2
+    assert (f"posttrain: model.pretrained: 'models:/{MODEL}/9': registered model '{MODEL}' in the MLflow store at "
+            in capsys.readouterr().err)
+    assert len(client.search_runs([parent.info.experiment_id])) == runs  # nothing started
 
 
 def test_rerun_does_not_register_the_same_policy_twice(nightlies, tmp_path):
@@ -290,6 +367,9 @@ def test_rerun_does_not_register_the_same_policy_twice(nightlies, tmp_path):
                                                       f"tracking.registered_model={MODEL}"])
     assert all(s["cache_hit"] for s in again["stages"])
     assert again["registered_model"] == first["registered_model"]
+    outputs = MlflowClient().get_run(again["mlflow_run_id"]).outputs.model_outputs
+    assert [m.model_id for m in outputs] == [m.model_id for m in MlflowClient().get_run(
+        first["mlflow_run_id"]).outputs.model_outputs]  # the same policy, on the rerun's page too
     assert len(MlflowClient().search_model_versions(f"name = '{MODEL}'")) == 2
 
 

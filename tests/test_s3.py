@@ -153,9 +153,9 @@ def test_transient_s3_outage_is_retried(s3, s3_server, caplog, monkeypatch):
     fsspec.filesystem("s3").clear_instance_cache()
 
 
-def test_mlflow_artifacts_on_s3(s3, tmp_path):
+def test_mlflow_artifacts_on_s3(s3, tmp_path, monkeypatch):
     """tracking.artifact_location=s3://...: a new experiment keeps its MLflow artifacts on S3, its
-    logged models' (the policies' weights) too."""
+    logged models' (the policies' weights) too, and a models:/ model.pretrained downloads them."""
     import s3fs
     from mlflow import MlflowClient
 
@@ -176,6 +176,15 @@ def test_mlflow_artifacts_on_s3(s3, tmp_path):
     assert any(k.endswith(f"{run.info.run_id}/artifacts/notes/hello.txt") for k in keys), keys
     assert any(k.endswith(f"models/{model}/artifacts/config.json") for k in keys), keys
     assert experiment_id(client, "s3-artifacts", location) == exp  # found again, not re-created
+
+    from tasks.sources import download, lookup
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    logger.finalize_model(model, ok=True)
+    source = lookup(client, f"models:/{model}")
+    assert source.download_uri.startswith(f"{location}/")
+    folder = download(source, client.tracking_uri)
+    assert (folder / "config.json").read_text() == "{}" and folder.is_relative_to(tmp_path / "cache")
 
 
 LEASE_HOLDER = """

@@ -151,10 +151,14 @@ class LoRAConfig(Strict):
         return v
 
 
+MLFLOW_MODEL_PREFIX = "models:/"  # model.pretrained: an MLflow model, which the pipeline downloads (tasks/sources.py)
+
+
 class ModelConfig(Strict):
     pretrained: str | None = Field(
         None, description="local folder, s3:// URI, .gguf file (local or s3://, converted once to a cached "
-        "safetensors folder) or hub name; unset builds a model from the fields below"
+        "safetensors folder), MLflow model (models:/<name>/<version>, models:/<name>@<alias>, models:/<id>) "
+        "or hub name; unset builds a model from the fields below"
     )
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)

@@ -1,6 +1,7 @@
 """Policy models: a tiny Llama built from the config, or a pretrained model from a local path,
 an `s3://` URI (downloaded once into the local cache), a `.gguf` file (converted once,
-`trainer.gguf_source`) or a hub name."""
+`trainer.gguf_source`) or a hub name. An MLflow `models:/` URI is the pipeline's to resolve
+(tasks/sources.py downloads it and hands the stages its folder): here it is only recognised."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from trainer import storage
-from trainer.config import ModelConfig
+from trainer.config import MLFLOW_MODEL_PREFIX, ModelConfig
 from trainer.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,10 @@ class ModelLoadError(InputError):
 
 
 def pretrained_kind(ref: str) -> str:
-    """What a model.pretrained value names: "remote" (an s3:// URI), "local" (a path) or "hub"."""
+    """What a model.pretrained value names: "remote" (an s3:// URI), "local" (a path), "mlflow" (a
+    models:/ URI) or "hub"."""
+    if ref.startswith(MLFLOW_MODEL_PREFIX):
+        return "mlflow"
     if storage.is_remote(ref):
         return "remote"
     if ref.lower().endswith(".gguf"):  # a file path, never a hub name
@@ -64,6 +68,10 @@ def resolve_pretrained(ref: str, field: str = "model.pretrained") -> str:
             raise ModelLoadError(f"{field}: {ref!r} is not a model folder (no config.json); "
                                  "point it at a save_pretrained folder")
         return str(path)
+    if kind == "mlflow":
+        raise ModelLoadError(f"{field}: {ref!r} is an MLflow model URI, which the pipeline (posttrain and its "
+                             "Prefect flows) downloads before its stages run; outside it, download the model "
+                             f"(mlflow artifacts download --artifact-uri {ref} -d DIR) and set {field}=DIR")
     return _from_hub(ref, field)
 
 
