@@ -66,7 +66,8 @@ def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
     report.register_policy(run, stages, model_stage)
     if nightly:
         comparison = report.compare(run.logger.client, run.cfg.tracking.experiment, run.ref.parent_run_id)
-        text = run.comparison = comparison.text()
+        promoted = report.promote(run, comparison)  # the best nightly so far: the alias nightly-best
+        text = run.comparison = comparison.text() + (f"\n{promoted}" if promoted else "")
         report.prefect_logger().info("nightly comparison:\n%s", text)
         run.logger.log_text(text, "comparison.txt")
         run.logger.log_metrics(comparison.deltas())

@@ -296,6 +296,27 @@ class Comparison:
         return {f"delta_{n}": m - b for n, m, b in self.rows if m is not None and b is not None}
 
 
+BEST_ALIAS = "nightly-best"
+
+
+def promote(run, comparison: Comparison) -> str | None:
+    """A nightly whose final policy is more accurate (held-out, strict) than the best earlier
+    nightly's, or the first nightly, moves the registered model's alias `nightly-best` to its
+    version: `model.pretrained: models:/<name>@nightly-best` starts from the best nightly so far. A
+    line saying what happened, or None (not registered, or not better: the alias stays)."""
+    mine = run.headline.get("final_accuracy")
+    if not run.registered_model or mine is None:
+        return None
+    best = comparison.baseline.data.metrics.get("final_accuracy") if comparison.baseline else None
+    if best is not None and mine <= best:
+        return None
+    name, version = run.registered_model.rsplit("/", 1)
+    run.logger.client.set_registered_model_alias(name, BEST_ALIAS, version)
+    run.logger.set_tags({"posttrain.alias": BEST_ALIAS})
+    than = f"the best earlier nightly's {best:.1%}" if best is not None else "no earlier nightly"
+    return f"alias {BEST_ALIAS} -> {run.registered_model} (final accuracy {mine:.1%} against {than})"
+
+
 def _start_policy(run) -> str:
     """What GRPO started from: "sft", or "pretrained: <model.pretrained>" (runs before the tag: sft)."""
     return run.data.tags.get("posttrain.start_policy", "sft")

@@ -39,6 +39,22 @@ def test_first_nightly_has_no_baseline_second_compares_with_it(nightlies):
     assert f"run       {second['mlflow_run_id']}" in second["comparison"]
 
 
+def test_the_best_nightly_so_far_carries_the_alias_nightly_best(nightlies):
+    """The first nightly takes the alias; the second moves it only if its final policy is more accurate."""
+    from mlflow import MlflowClient
+
+    first, second = nightlies
+    better = second["headline"]["final_accuracy"] > first["headline"]["final_accuracy"]
+    best = second if better else first
+    alias = MlflowClient().get_model_version_by_alias(MODEL, "nightly-best")
+    assert f"{MODEL}/{alias.version}" == best["registered_model"]
+    assert f"alias nightly-best -> {first['registered_model']} (final accuracy " in first["comparison"]
+    assert "against no earlier nightly)" in first["comparison"]
+    assert ("alias nightly-best" in second["comparison"]) == better
+    tags = [MlflowClient().get_run(r["mlflow_run_id"]).data.tags.get("posttrain.alias") for r in nightlies]
+    assert tags == ["nightly-best", "nightly-best" if better else None]
+
+
 def test_compare_cli_prints_latest_nightly_against_best_earlier(nightlies, capsys):
     from mlflow import MlflowClient
 
