@@ -34,6 +34,9 @@ def test_the_ml_core_names_the_way_outside_the_pipeline():
                                              r"run; outside it, .*mlflow artifacts download --artifact-uri "
                                              r"models:/posttrain-tiny/1 -d DIR"):
         resolve_pretrained("models:/posttrain-tiny/1")
+    with pytest.raises(ModelLoadError, match=r"grpo.rewards\[\].path: 'models:/rm/1' is an MLflow model URI, which "
+                                             r"posttrain downloads for model.pretrained only; here, download the model"):
+        resolve_pretrained("models:/rm/1", field="grpo.rewards[].path")
 
 
 @pytest.fixture()

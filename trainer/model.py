@@ -69,8 +69,9 @@ def resolve_pretrained(ref: str, field: str = "model.pretrained") -> str:
                                  "point it at a save_pretrained folder")
         return str(path)
     if kind == "mlflow":
-        raise ModelLoadError(f"{field}: {ref!r} is an MLflow model URI, which the pipeline (posttrain and its "
-                             "Prefect flows) downloads before its stages run; outside it, download the model "
+        where = ("which the pipeline (posttrain and its Prefect flows) downloads before its stages run; outside it"
+                 if field == "model.pretrained" else "which posttrain downloads for model.pretrained only; here")
+        raise ModelLoadError(f"{field}: {ref!r} is an MLflow model URI, {where}, download the model "
                              f"(mlflow artifacts download --artifact-uri {ref} -d DIR) and set {field}=DIR")
     return _from_hub(ref, field)
 
