@@ -62,8 +62,14 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
 
 @task(name="report", cache_policy=NO_CACHE)
 def publish_run(run, stages: dict, model_stage: str, nightly: bool) -> None:
-    """Register the final policy, compare with earlier nightlies (nightly runs), publish artifacts."""
-    report.register_policy(run, stages, model_stage)
+    """Register the final policy (one a stage trained: starting from model.pretrained with SFT and
+    GRPO off evaluates it, and registers nothing), compare with earlier nightlies (nightly runs),
+    publish artifacts."""
+    if stages[model_stage].get("skipped"):
+        report.prefect_logger().info("no stage trained a policy (sft.enabled=false, grpo.enabled=false): the run "
+                                     "evaluated model.pretrained, and registers nothing")
+    else:
+        report.register_policy(run, stages, model_stage)
     if nightly:
         comparison = report.compare(run.logger.client, run.cfg.tracking.experiment, run.ref.parent_run_id)
         promoted = report.promote(run, comparison)  # the best nightly so far: the alias nightly-best

@@ -155,8 +155,15 @@ SFT_UNKEYED = {
 }
 
 def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
-    """The rule's config sections without the fields that do not change the stage's result."""
+    """The rule's config sections without the fields that do not change the stage's result. A model
+    in this machine's cache (a models:/ URI's download, tasks/sources.py) is keyed by its place in the
+    cache, not by where the cache is: machines sharing an artifact root and a tracking server share
+    the result."""
     out = {s: cfg.to_dict()[s] for s in rule.sections}
+    model = out.get("model") or {}
+    cache = str(storage.posttrain_cache()) + "/"
+    if (model.get("pretrained") or "").startswith(cache):
+        model["pretrained"] = "$POSTTRAIN_CACHE/" + model["pretrained"][len(cache):]
     for dotted in rule.unkeyed:
         *parents, leaf = dotted.split(".")
         node = out

@@ -203,6 +203,10 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         tags["posttrain.lora"] = "none: full fine-tuning"
     if "grpo" in stages:
         tags.update({"posttrain.grpo_run": stages["grpo"]["source_run_id"], "posttrain.grpo_key": stages["grpo"]["key"]})
+    if pretrained := run.pretrained():  # what training started from (a models:/ URI pinned to its version)
+        tags["posttrain.pretrained"] = pretrained
+        if run.source and run.source.model_id:
+            tags["posttrain.pretrained_model_id"] = run.source.model_id
     if run.ref.flow_run_id:
         tags["prefect.flow_run_id"] = run.ref.flow_run_id
     version = client.create_model_version(name, source, run_id=source_run, tags=tags, model_id=model_id,

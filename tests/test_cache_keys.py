@@ -107,6 +107,22 @@ def test_a_pretrained_folder_is_keyed_by_content(tmp_path):
     assert key("sft", *pretrained) != k
 
 
+def test_a_downloaded_model_is_keyed_by_its_place_in_the_cache_not_where_the_cache_is(tmp_path, monkeypatch):
+    """A models:/ URI's download (tasks/sources.py) on two machines whose caches are elsewhere: one key."""
+    keys = []
+    for machine in ("a", "b"):
+        cache = tmp_path / machine / "cache"
+        folder = cache / "mlflow-models" / "0123456789abcdef"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"a": 1}))
+        monkeypatch.setenv("POSTTRAIN_CACHE", str(cache))
+        keys.append(key("sft", f"model.pretrained={folder}", "tokenizer.train=false"))
+    assert keys[0] == keys[1]
+    other = tmp_path / "b" / "elsewhere"  # the same files outside the cache: a folder keyed by its path too
+    shutil.copytree(tmp_path / "b" / "cache" / "mlflow-models" / "0123456789abcdef", other)
+    assert key("sft", f"model.pretrained={other}", "tokenizer.train=false") != keys[1]
+
+
 def test_a_custom_reward_is_keyed_by_its_module_source(tmp_path, monkeypatch):
     module = tmp_path / "my_reward.py"
     module.write_text("def score(response, example):\n    return 1.0\n")

@@ -232,10 +232,15 @@ def test_a_policy_is_registered_from_its_logged_model_else_from_where_its_weight
               "uri": str(tmp_path / "grpo" / "k"), "model_subdir": "model"}
     stages = {"prepare_data": {"key": "d", "uri": "data"}, "sft": {"key": "s", "source_run_id": source}, "grpo": policy}
     run = types.SimpleNamespace(logger=MlflowLogger(client, parent), cfg=load_config("tiny"),
-                                ref=TrackingRef(uri, experiment, parent), registered_model=None)
+                                ref=TrackingRef(uri, experiment, parent), registered_model=None, pretrained=lambda: "models:/posttrain-tiny/1",
+                                source=types.SimpleNamespace(model_id="m-" + "1" * 32))
     client.create_registered_model("posttrain-tiny")
     name, version = _register(run, stages, "grpo", "posttrain-tiny")
     assert client.get_model_version(name, version).source == model.artifact_location
+    # what training started from (a models:/ model.pretrained, pinned: tasks/sources.py)
+    tags = client.get_model_version(name, version).tags
+    assert (tags["posttrain.pretrained"], tags["posttrain.pretrained_model_id"]) == ("models:/posttrain-tiny/1",
+                                                                                   "m-" + "1" * 32)
     assert json.loads(client.get_logged_model(model_id).tags["mlflow.modelVersions"]) == [
         {"name": name, "version": int(version)}]
     assert client.get_model_version_download_uri(name, version) == model.artifact_location
@@ -299,10 +304,11 @@ def test_final_policy_registered_with_lineage(nightlies, tmp_path):
 
 def test_a_registered_policy_starts_a_new_run(nightlies, tmp_path, monkeypatch, capsys):
     """`model.pretrained: models:/<name>@<alias>` (tasks/sources.py) through the CLI: the alias is
-    pinned to its version in the run's params, the policy's weights are the start's, and the run and
-    its sft stage list the logged model they started from. The same model by version or by id is one
-    download and so one SFT key (cache hit); moving the alias starts from the other version. A URI
-    the store cannot serve stops before any flow runs, naming what it has."""
+    pinned to its version in the run's params, the policy's weights are the start's, and its sft
+    stage's run lists the logged model it started from. The same model by version or by id is one
+    download and so one SFT key (cache hit); moving the alias starts from the other version. With
+    SFT and GRPO off a run evaluates the registered policy and registers nothing. A URI the store
+    cannot serve stops before any flow runs, naming what it has."""
     import torch
     from mlflow import MlflowClient
     from transformers import AutoModelForCausalLM
@@ -358,6 +364,16 @@ def test_a_registered_policy_starts_a_new_run(nightlies, tmp_path, monkeypatch, 
     [sft2] = [s for s in moved["stages"] if s["stage"] == "sft"]
     assert not sft2["cache_hit"] and sft2["key"] != sft["key"]
     assert len(list((tmp_path / "cache" / "mlflow-models").glob("[!.]*"))) == 2
+
+    # SFT and GRPO off: the run evaluates the registered policy, and registers nothing
+    versions = len(client.search_model_versions(f"name = '{MODEL}'"))
+    argv = ["speedrun", "--json", str(out)]
+    for o in [*base, f"model.pretrained=models:/{MODEL}/1", "grpo.enabled=false", f"tracking.registered_model={MODEL}"]:
+        argv += ["--set", o]
+    assert main(argv) == 0
+    evaluated = json.loads(out.read_text())
+    assert evaluated["registered_model"] is None and "final_accuracy" in evaluated["headline"]
+    assert len(client.search_model_versions(f"name = '{MODEL}'")) == versions
 
     # the dry run says what the URI names now; a URI the store cannot serve stops before any flow runs
     capsys.readouterr()
