@@ -90,7 +90,7 @@ def _model_source(cfg: RunConfig, problems: list[str], notes: list[str]) -> RunC
         problems.append(str(exc))
         return cfg
     folder = source.folder()
-    if not (folder / ".complete").exists():
+    if not storage.filled(folder):
         notes.append(f"model.pretrained: {source.describe()}; downloaded on first use into {folder}")
         return cfg
     notes.append(f"model.pretrained: {source.describe()}; downloaded already: {folder}")

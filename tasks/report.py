@@ -184,7 +184,8 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
     for v in client.search_model_versions(f"name = '{name}'"):
         if v.tags.get("posttrain.policy_key") == policy["key"]:
             log.info("final policy already registered as %s version %s", name, v.version)
-            _registered(run, f"{name}/{v.version}", policy)
+            known = run.logger.known_model(policy.get("mlflow_model_id"))
+            _registered(run, f"{name}/{v.version}", known.model_id if known else None)
             return name, v.version
     source_run = policy["source_run_id"]
     source, model_id, run_artifacts = policy_source(run.logger, policy)
@@ -215,21 +216,21 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         listed = json.loads(client.get_logged_model(model_id).tags.get("mlflow.modelVersions") or "[]")
         client.set_logged_model_tags(model_id, {"mlflow.modelVersions": json.dumps(
             listed + [{"name": name, "version": version.version}])})
-    _registered(run, f"{name}/{version.version}", policy)
+    _registered(run, f"{name}/{version.version}", model_id)
     log.info("registered the final policy as %s version %s", name, version.version)
     return name, version.version
 
 
-def _registered(run, version: str, policy: dict) -> None:
-    """The pipeline's run names its registered policy: a tag, and the policy's logged model as the
-    run's output (its page's *Registered models* then shows the version; the model's source run
-    stays the stage that trained it)."""
+def _registered(run, version: str, model_id: str | None) -> None:
+    """The pipeline's run names its registered policy: a tag, and the policy's logged model (`model_id`,
+    one this store has) as the run's output (its page's *Registered models* then shows the version;
+    the model's source run stays the stage that trained it)."""
     from mlflow.entities import LoggedModelOutput
 
     run.registered_model = version
     run.logger.set_tags({"posttrain.registered_model": version})
-    if model := run.logger.known_model(policy.get("mlflow_model_id")):
-        run.logger.client.log_outputs(run.logger.run_id, [LoggedModelOutput(model.model_id, step=0)])
+    if model_id:
+        run.logger.client.log_outputs(run.logger.run_id, [LoggedModelOutput(model_id, step=0)])
 
 
 def policy_source(logger, policy: dict) -> tuple[str, str | None, str | None]:

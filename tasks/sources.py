@@ -12,9 +12,9 @@ The pipeline resolves it once, before any stage runs (`resolve`): an alias or `l
 the version it names now, and the model's files are downloaded once into this machine's cache
 ($POSTTRAIN_CACHE/mlflow-models/), keyed by the store and the model. The stages read that folder
 like any local model folder (trainer/ never sees MLflow), and their cache keys hold its content.
-The run's params and config.yaml hold the pinned URI; the pipeline run and the stage that starts
-from the model (SFT, or the start an `sft.enabled: false` run commits) list the logged model as an
-input, so MLflow walks from a policy back to the one it was trained from.
+The run's params and config.yaml hold the pinned URI and its tags the logged model; the stage that
+starts from the model (SFT, or the start an `sft.enabled: false` run commits) lists it as its input,
+so MLflow walks from a policy back to the one it was trained from.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer import storage
-from trainer.config import MLFLOW_MODEL_PREFIX as PREFIX, RunConfig
+from trainer.config import MLFLOW_MODEL_PREFIX as PREFIX, RunConfig, is_mlflow_model as is_model_uri
 from trainer.errors import InputError
 
 FIELD = "model.pretrained"
@@ -35,10 +35,6 @@ FORMS = ("models:/<name>/<version>, models:/<name>@<alias>, models:/<name>/lates
 
 class ModelSourceError(InputError):
     pass
-
-
-def is_model_uri(ref: str | None) -> bool:
-    return bool(ref) and ref.startswith(PREFIX)
 
 
 @dataclass(frozen=True)

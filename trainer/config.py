@@ -154,6 +154,10 @@ class LoRAConfig(Strict):
 MLFLOW_MODEL_PREFIX = "models:/"  # model.pretrained: an MLflow model, which the pipeline downloads (tasks/sources.py)
 
 
+def is_mlflow_model(ref: str | None) -> bool:
+    return bool(ref) and ref.startswith(MLFLOW_MODEL_PREFIX)
+
+
 class ModelConfig(Strict):
     pretrained: str | None = Field(
         None, description="local folder, s3:// URI, .gguf file (local or s3://, converted once to a cached "

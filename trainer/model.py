@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from trainer import storage
-from trainer.config import MLFLOW_MODEL_PREFIX, ModelConfig
+from trainer.config import ModelConfig, is_mlflow_model
 from trainer.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class ModelLoadError(InputError):
 def pretrained_kind(ref: str) -> str:
     """What a model.pretrained value names: "remote" (an s3:// URI), "local" (a path), "mlflow" (a
     models:/ URI) or "hub"."""
-    if ref.startswith(MLFLOW_MODEL_PREFIX):
+    if is_mlflow_model(ref):
         return "mlflow"
     if storage.is_remote(ref):
         return "remote"

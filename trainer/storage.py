@@ -325,17 +325,22 @@ def local_dir(url: str, cache_root: str | Path | None = None, version: str | Non
                                                                                 recursive=True)))
 
 
+def filled(dest: Path) -> bool:
+    """Whether `fill_once` has filled `dest` (whole)."""
+    return (dest / ".complete").exists()
+
+
 def fill_once(dest: Path, fill) -> Path:
     """`dest`, filled by `fill(tmp_folder)` the first time: one process fills (the others wait on a
     lock the OS releases if it dies), the folder appears whole or not at all, and `.complete` marks
     it; an incomplete earlier folder is replaced."""
     import fcntl
 
-    if (dest / ".complete").exists():
+    if filled(dest):
         return dest
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
-        if not (dest / ".complete").exists():
+        if not filled(dest):
             tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
             try:
                 fill(tmp)
