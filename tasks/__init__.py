@@ -10,13 +10,15 @@ import sys
 if logging.getLogger("trainer").level == logging.NOTSET:
     logging.getLogger("trainer").setLevel(logging.INFO)
 
-# Off a terminal (a worker, a log file) transformers' and datasets' bars ("Loading weights",
-# "Writing model shards", "Generating train split") are carriage-return debris in the log; the
-# stages say their own progress there (trainer/progress.py). Ranks inherit the setting through the
-# environment; a library already imported is told directly (each reads it once, at import).
+# Off a terminal (a worker, a log file) transformers', datasets' and MLflow's bars ("Loading weights",
+# "Writing model shards", "Generating train split", "Downloading artifacts" of a models:/ start) are
+# carriage-return debris in the log; the stages say their own progress there (trainer/progress.py).
+# Ranks inherit the setting through the environment; a library already imported is told directly
+# (transformers and datasets read it once, at import; MLflow at each download).
 if not sys.stderr.isatty():
     for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(_var, "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
         from transformers.utils import logging as _hf_logging
 

@@ -333,8 +333,10 @@ def test_a_registered_policy_starts_a_new_run(nightlies, tmp_path, monkeypatch, 
         code = main(argv)
         return code, json.loads(out.read_text()) if code == 0 else {}
 
+    capsys.readouterr()
     code, result = start_from(f"models:/{MODEL}@champion")
     assert code == 0
+    assert "Downloading artifacts" not in capsys.readouterr().err  # off a terminal, no MLflow progress bar
     parent = client.get_run(result["mlflow_run_id"])
     assert parent.data.params["model.pretrained"] == f"models:/{MODEL}/1"
     assert parent.data.tags["posttrain.pretrained"] == f"models:/{MODEL}@champion"
