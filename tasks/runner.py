@@ -32,7 +32,8 @@ def _cache_hit(stage: str, where, ref: TrackingRef, t0: float, reads: dict[str, 
     manifest = where.manifest
     source = manifest.get("mlflow_run_id", "")
     logger = child_logger(ref, stage, {"cache_hit": True, "source_run_id": source})
-    logger.log_reads(inputs, reads, cached_from=source, policy=policy, pretrained=start)
+    logger.log_reads(inputs, reads, cached_from=source, policy=policy, pretrained=start,
+                     cached_model=manifest.get("mlflow_model_id"))
     logger.log_metrics(manifest.get("metrics", {}))
     logger.client.set_terminated(logger.run_id)
     prefect_logger().info("%s: cache hit (key %s) at %s", stage, where.key, where.folder)

@@ -171,19 +171,27 @@ class MlflowLogger:
         self.set_tags(tags)
 
     def log_reads(self, inputs: dict[str, dict[str, Any] | None], reads: dict[str, str], cached_from: str | None = None,
-                  policy: str | None = None, pretrained: str | None = None) -> None:
+                  policy: str | None = None, pretrained: str | None = None, cached_model: str | None = None) -> None:
         """What a stage's run read (`inputs`: its input name -> that stage's result; `reads`: the
         prepared splits it reads -> what for): the splits as MLflow datasets; each input as tags,
         `posttrain.input.<name>` (the result's key) and `posttrain.input_run.<name>` (the MLflow run
         that computed it); and both as links in the run's description, so the MLflow UI walks from an
-        eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run). The
+        eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run;
+        `cached_model`: the logged model that run made of the result, which the cache hit's run then
+        lists as its output too, so its page and the runs table show the policy it stands for). The
         input named `policy` (whose weights the stage reads) also as the MLflow logged model it is, and
         so the logged model `pretrained` a models:/ model.pretrained named (for the stage that starts
         from it)."""
         self.log_data(inputs.get("data"), reads)
         tags, lines = {}, []
         if cached_from:
-            lines += [f"From cache: the result of run [{cached_from}]({self.run_link(cached_from)}).", ""]
+            line = f"From cache: the result of run [{cached_from}]({self.run_link(cached_from)})"
+            if made := self.known_model(cached_model):
+                from mlflow.entities import LoggedModelOutput
+
+                self.client.log_outputs(self.run_id, [LoggedModelOutput(made.model_id, step=0)])
+                line += f", logged model [{made.name}]({model_link(made)})"
+            lines += [line + ".", ""]
         read = {name: m for name, m in inputs.items() if m}
         models = []
         if start := self.known_model(pretrained):

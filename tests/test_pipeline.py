@@ -422,9 +422,19 @@ def test_rerun_is_all_cache_hits(first_run):
     assert sft[0].data.tags["cache_hit"] == "True" and set(datasets(client, sft[0].info.run_id)) == {"synthetic-train"}
     computed = sft[0].data.tags["source_run_id"]
     assert client.get_run(computed).data.tags["cache_key"] == next(s["key"] for s in result["stages"] if s["stage"] == "sft")
+    # the cache hit's run stands for the policy the computing run logged: it lists that model as its output
+    made = json.loads((Path(next(s for s in result["stages"] if s["stage"] == "sft")["uri"]) / "manifest.json")
+                      .read_text())["mlflow_model_id"]
+    model = client.get_logged_model(made)
+    assert [o.model_id for o in client.get_run(sft[0].info.run_id).outputs.model_outputs] == [made]
+    assert model.source_run_id == computed  # still the run that trained it
     assert sft[0].data.tags["mlflow.note.content"].startswith(
         f"From cache: the result of run [{computed}](#/experiments/{client.get_run(computed).info.experiment_id}/runs/"
-        f"{computed}?workflowType=machine_learning).")
+        f"{computed}?workflowType=machine_learning), logged model [{model.name}](#/experiments/{model.experiment_id}"
+        f"/models/{made}?workflowType=machine_learning).")
+    evals = client.search_runs([again["mlflow_experiment_id"]], f"tags.mlflow.parentRunId = '{again['mlflow_run_id']}' "
+                               "and tags.`posttrain.stage` = 'eval'")
+    assert evals and all(not client.get_run(r.info.run_id).outputs.model_outputs for r in evals)  # evals make none
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in result["stages"]]
     assert again["headline"]["sft_accuracy"] == result["headline"]["sft_accuracy"]
 
