@@ -178,7 +178,7 @@ class MlflowLogger:
         that computed it); and both as links in the run's description, so the MLflow UI walks from an
         eval back through GRPO and SFT to the data (`cached_from`: a cache hit's computing run;
         `cached_model`: the logged model that run made of the result, which the cache hit's run then
-        lists as its output too, so its page and the runs table show the policy it stands for). The
+        lists as its output too, so its page shows the policy it stands for). The
         input named `policy` (whose weights the stage reads) also as the MLflow logged model it is, and
         so the logged model `pretrained` a models:/ model.pretrained named (for the stage that starts
         from it)."""
