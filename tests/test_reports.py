@@ -256,6 +256,17 @@ def test_a_policy_is_registered_from_its_logged_model_else_from_where_its_weight
     elsewhere = {**policy, "mlflow_model_id": "m-" + "0" * 32, "source_run_id": "f" * 32}  # another store's
     assert policy_source(run.logger, elsewhere) == (str(tmp_path / "grpo" / "k" / "model"), None, None)
 
+    # a cache hit's run lists the computing run's logged model as its output; another store's, not at all
+    for made, listed in ((model_id, [model_id]), (elsewhere["mlflow_model_id"], [])):
+        hit = MlflowLogger(client, client.create_run(experiment).info.run_id)
+        hit.log_reads({}, {}, cached_from=source, cached_model=made)
+        ran = client.get_run(hit.run_id)
+        assert [o.model_id for o in ran.outputs.model_outputs] == listed
+        link = f", logged model [tiny-grpo](#/experiments/{experiment}/models/{model_id}?workflowType=machine_learning)"
+        assert ran.data.tags["mlflow.note.content"] == (
+            f"From cache: the result of run [{source}](#/experiments/{experiment}/runs/{source}"
+            f"?workflowType=machine_learning){link if listed else ''}.\n")
+
     with pytest.raises(FileNotFoundError, match=r"the policy folder .*missing does not exist"):
         logger.log_model("tiny-sft", tmp_path / "missing", {}, {}, "a folder that is not there")
     (tmp_path / "a-file").write_text("")  # an artifact store that cannot be written: the upload fails
