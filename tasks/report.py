@@ -225,12 +225,10 @@ def _registered(run, version: str, model_id: str | None) -> None:
     """The pipeline's run names its registered policy: a tag, and the policy's logged model (`model_id`,
     one this store has) as the run's output (its page's *Registered models* then shows the version;
     the model's source run stays the stage that trained it)."""
-    from mlflow.entities import LoggedModelOutput
-
     run.registered_model = version
     run.logger.set_tags({"posttrain.registered_model": version})
     if model_id:
-        run.logger.client.log_outputs(run.logger.run_id, [LoggedModelOutput(model_id, step=0)])
+        run.logger.log_output(model_id)
 
 
 def policy_source(logger, policy: dict) -> tuple[str, str | None, str | None]:

@@ -88,7 +88,7 @@ class MlflowLogger:
         outputs, the folder its artifacts: the experiment's *Models* tab lists it, the evals' metrics
         attach to it (log_metrics' `model_id`) and a registered version points at it. It stays PENDING
         until `finalize_model`; an upload that fails marks it FAILED. Returns its id."""
-        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.entities import LoggedModelStatus
 
         if not Path(folder).is_dir():  # MLflow would log an empty model
             raise FileNotFoundError(f"the policy folder {folder} does not exist: nothing to log as MLflow model {name}")
@@ -98,12 +98,19 @@ class MlflowLogger:
             params={k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in flatten(params).items()},
             tags={**{k: str(v) for k, v in tags.items()}, "mlflow.note.content": description})
         try:
-            self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step=0)])
+            self.log_output(model.model_id)
             self.client.log_model_artifacts(model.model_id, str(folder))
         except BaseException:
             self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
             raise
         return model.model_id
+
+    def log_output(self, model_id: str) -> None:
+        """The logged model `model_id` as an output of this run (its page then shows the model and
+        the registered versions made from it; the model's source run stays the one that made it)."""
+        from mlflow.entities import LoggedModelOutput
+
+        self.client.log_outputs(self.run_id, [LoggedModelOutput(model_id, step=0)])
 
     def finalize_model(self, model_id: str, ok: bool) -> None:
         """READY once the stage's result is committed, else FAILED."""
@@ -187,9 +194,7 @@ class MlflowLogger:
         if cached_from:
             line = f"From cache: the result of run [{cached_from}]({self.run_link(cached_from)})"
             if made := self.known_model(cached_model):
-                from mlflow.entities import LoggedModelOutput
-
-                self.client.log_outputs(self.run_id, [LoggedModelOutput(made.model_id, step=0)])
+                self.log_output(made.model_id)
                 line += f", logged model [{made.name}]({model_link(made)})"
             lines += [line + ".", ""]
         read = {name: m for name, m in inputs.items() if m}
