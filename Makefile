@@ -45,6 +45,8 @@ test: setup
 	$(BIN)/python -m deployments.sglang_env build --device cpu
 	$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
+# The inner loop: the tests not marked slow, under a minute on 2 cores (no flow, no server, no real
+# weights; no Prefect server is started for them). See docs/testing.md.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 

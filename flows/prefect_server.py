@@ -28,6 +28,12 @@ class TemporaryServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.log: Path | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> TemporaryServer:
+        """Start the server process (its port was chosen when this was made, so that its URL can be
+        named in PREFECT_API_URL before Prefect is imported)."""
         self.log = Path(tempfile.mkstemp(prefix=f"posttrain-prefect-server-{self.port}-", suffix=".log")[1])
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1"}
@@ -37,8 +43,15 @@ class TemporaryServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.prefect_server", str(os.getpid()), str(self.port), str(self.log)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self.proc is not None
 
     def wait_healthy(self, timeout: float) -> None:
+        if self.proc is None:
+            raise RuntimeError("the temporary Prefect server was not started")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -56,17 +69,18 @@ class TemporaryServer:
                            f"own, set in PREFECT_API_URL, skips it): {self._log_tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.unlink(missing_ok=True)
+        if self.log is not None:
+            self.log.unlink(missing_ok=True)
 
     def _log_tail(self) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        text = self.log.read_text(errors="replace") if self.log is not None and self.log.exists() else ""
         return text[-2000:] or "(no output)"
 
 
@@ -78,7 +92,7 @@ def start_early() -> TemporaryServer | None:
     in any thread, and every rank it launches uses it), or None where Prefect should decide."""
     if "prefect" in sys.modules or os.environ.get("PREFECT_API_URL") or os.environ.get(OFF) == "0":
         return None
-    server = TemporaryServer()
+    server = TemporaryServer().start()
     # stopped at exit, after Prefect's own exit handlers (registered later, run earlier) have sent
     # the last logs and events to it
     atexit.register(server.stop)

@@ -46,8 +46,11 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR / 'mlflow.db'}"
 os.environ["POSTTRAIN_CACHE"] = str(_SESSION_DIR / "cache")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The session's Prefect server: started now (it comes up while the tests are collected), waited for
-# by `_prefect_server` before the first test, stopped at the end (and with this process, however it ends).
+# The session's Prefect server: named in PREFECT_API_URL now (Prefect reads its settings once, when
+# imported below), started once the tests are collected if any of them is marked slow, waited for by
+# `_prefect_server` before the first test, stopped at the end (and with this process, however it
+# ends). The fast tier (`-m "not slow"`) runs no flow and starts no server: its start is about 10 s
+# of a core, a fifth of that tier.
 from flows.prefect_server import TemporaryServer  # noqa: E402 (imports nothing of Prefect)
 
 
@@ -95,9 +98,16 @@ def _drain_prefect_clients() -> None:
         worker.drain_all(timeout=30)
 
 
+def pytest_collection_finish(session):
+    if (_PREFECT_SERVER is not None and not session.config.option.collectonly
+            and any(item.get_closest_marker("slow") for item in session.items)):
+        _PREFECT_SERVER.start()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_server():
-    _PREFECT_SERVER.wait_healthy(120)
+    if _PREFECT_SERVER.started:
+        _PREFECT_SERVER.wait_healthy(120)
     yield _PREFECT_SERVER
     _drain_prefect_clients()
     _PREFECT_SERVER.stop()

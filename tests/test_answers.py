@@ -32,6 +32,7 @@ def test_long_garbage_is_not_parsed():
     assert is_correct("#### " + "9" * 500, "9") is False
 
 
+@pytest.mark.slow
 def test_integer_answers_are_graded_as_math_verify_grades_them():
     """is_correct compares two plain integers itself instead of through math-verify's parser; on
     every pair below (signs, commas, leading zeros, spaces, decimals, real GSM8K answers and the
@@ -160,6 +161,7 @@ def test_labelled_gsm8k_solutions_are_scored_correct():
         assert is_correct(row["answer"].rsplit("####", 1)[0] + "#### " + gold + ".0", gold)  # via math-verify
 
 
+@pytest.mark.slow
 def test_no_checker_process_outlives_its_parent(tmp_path):
     """The checker's processes die with the process that uses them, even one SIGKILLed while its
     checker is deep in a hostile answer."""

@@ -50,6 +50,7 @@ def _run(cfg, tok, work, stop_after=None):
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_no_trained_sample_is_more_than_k_versions_old(tiny_tokenizer, tmp_path, k):
     """over_sample=2 leaves a surplus every round: a carried group would be k + 1 versions old, so
@@ -68,6 +69,7 @@ def test_no_trained_sample_is_more_than_k_versions_old(tiny_tokenizer, tmp_path,
     assert process_gone(trainer.producer.pid)  # closed with the run
 
 
+@pytest.mark.slow
 def test_sync_rounds_still_carry_over(tiny_tokenizer, tmp_path):
     """async_steps=0 is the synchronous schedule, carry-over included (staleness 1 on carried groups)."""
     trainer = _run(_cfg(0), tiny_tokenizer, tmp_path)
@@ -76,6 +78,7 @@ def test_sync_rounds_still_carry_over(tiny_tokenizer, tmp_path):
     assert all(h["rollout/groups_carried"] == 3 for h in trainer.history)
 
 
+@pytest.mark.slow
 def test_an_async_run_is_reproducible_and_resumes_exactly(tiny_tokenizer, tmp_path):
     """Twice the same weights; and a run stopped after round 3 (its pending batches in the round-2
     checkpoint) and resumed ends on them too, having trained on the same batches in the same order."""
@@ -91,6 +94,7 @@ def test_an_async_run_is_reproducible_and_resumes_exactly(tiny_tokenizer, tmp_pa
     assert [h["reward/mean"] for h in resumed.history] == [h["reward/mean"] for h in full.history]
 
 
+@pytest.mark.slow
 def test_raising_grpo_rounds_continues_an_async_run_exactly(tiny_tokenizer, tmp_path):
     """The last checkpoint of a 4-round async stage holds the batches of rounds 5 and 6 (generated
     past the schedule), so the same stage asked for 6 rounds ends on the 6-round run's weights."""
@@ -107,12 +111,14 @@ def test_raising_grpo_rounds_continues_an_async_run_exactly(tiny_tokenizer, tmp_
     assert longer.state_hash() == full.state_hash()
 
 
+@pytest.mark.slow
 def test_a_sync_checkpoint_is_not_resumed_async(tiny_tokenizer, tmp_path):
     _run(_cfg(0, "grpo.rounds=6"), tiny_tokenizer, tmp_path, stop_after=3)
     with pytest.raises(Exception, match="async_steps=1"):
         _run(_cfg(1), tiny_tokenizer, tmp_path)
 
 
+@pytest.mark.slow
 def test_the_rollout_process_stops_when_the_trainer_is_killed(tiny_tokenizer, tmp_path):
     """A SIGKILLed trainer cannot close its producer: the rollout process sees its parent gone."""
     import multiprocessing as mp
@@ -146,6 +152,7 @@ def _trainer_then_wait(work, conn):
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_a_rollout_process_that_dies_fails_the_round_in_bounded_time(tiny_tokenizer, tmp_path):
     trainer = _trainer(_cfg(1), tiny_tokenizer, tmp_path)
     try:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs `posttrain` processes and their servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

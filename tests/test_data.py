@@ -62,6 +62,7 @@ def test_worked_fraction_mixes_answer_only_rows_into_train_only():
     assert all("=" in ex["messages"][-1]["content"] for ex in none.test)
 
 
+@pytest.mark.slow
 def test_synthetic_too_few_distinct_problems():
     with pytest.raises(DataError, match=r"only \d+ distinct held-out problems \(of n_test=100000\).*raise digits"):
         synthetic(SyntheticData(n_train=10, n_test=100_000, max_ops=1, ops=["+"]), seed=0)

@@ -274,6 +274,7 @@ def test_a_bad_environment_stops_the_run_before_any_stage(env_module, capsys):
     assert cfg.rollout.environment.multi_turn and environment_of(cfg.rollout.environment).max_turns == 2
 
 
+@pytest.mark.slow
 def test_an_environment_whose_own_code_fails_is_named_with_the_example_or_turn(env_module, tmp_path, capsys):
     """A custom environment's reset or step raising, or returning the wrong thing: an error naming
     the class, the method, the example or turn and the error, the traceback chained (was a traceback

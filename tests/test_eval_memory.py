@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import json, resource
 import torch
@@ -37,6 +39,7 @@ print(json.dumps({"peak_growth_mb": (after - before) / 1024, "mean_tokens": resu
 LOGITS_COPY_MB = 16 * 64 * 65536 * 4 / 2**20  # 256 MiB
 
 
+@pytest.mark.slow
 def test_greedy_eval_peak_memory_does_not_grow_with_vocab_times_tokens():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

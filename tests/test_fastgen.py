@@ -252,6 +252,7 @@ def test_without_a_compiler_decoding_runs_on_torch_ops(char_tok, tmp_path, monke
     assert len(warnings) == 1, warnings
 
 
+@pytest.mark.slow
 def test_a_kernel_build_killed_midway_does_not_block_the_next(tmp_path):
     """A build SIGKILLed while compiling (its compilers with it, as when a machine is stopped) leaves
     torch's builder lock behind (it would make every later build wait forever); the next build, in a

@@ -166,6 +166,7 @@ def test_the_ops_refuse_what_they_cannot_read():
         ops.swiglu_bwd(torch.randn(4, 3), x)
 
 
+@pytest.mark.slow
 def test_zero3_partitioned_weights_run_through_the_models_own_forward(tmp_path):
     """ZeRO-3 keeps every weight partitioned outside the modules' own forward hooks: the fused passes
     and the fast decoder, which read weights directly, step aside (one rank on CPU once crashed in the

@@ -150,6 +150,7 @@ def test_stop_strings_end_rows_where_the_cpu_decoder_ends_them(char_tok):
     assert all(len(lp) == len(g) for lp, g in zip(lps, got))
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_are_hf_generates_and_logprobs_the_trainers(smollm2):
     """The real SmolLM2-135M-Instruct weights and tokenizer, its chat template, 6 questions (a
     bucket of 8)."""

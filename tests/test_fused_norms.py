@@ -114,6 +114,7 @@ def test_the_fused_norm_gives_the_models_log_probs_and_gradients(monkeypatch, fu
             assert rel < 0.02, (n, float(rel))
 
 
+@pytest.mark.slow
 def test_smollm2_real_weights_bf16(monkeypatch, fused_calls, smollm2):
     """SmolLM2-135M-Instruct in bf16 as the GPU update runs it: 61 norms, real activations (the
     residual stream grows to hundreds), against its own norm."""

@@ -67,6 +67,7 @@ def test_a_package_the_registry_cannot_give_says_where_to_put_the_file():
     assert str(gguf_source.registry_dir(ref)) in msg and "posttrain_no_such_package_x7q-*.whl" in msg
 
 
+@pytest.mark.slow
 def test_the_dry_run_names_the_registry_file_and_where_it_goes(tmp_path, cache):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "speedrun", "--preset", "smollm2-135m", "--dry-run",
                           "--set", f"artifact_root={tmp_path / 'a'}"], capture_output=True, text=True, timeout=120,

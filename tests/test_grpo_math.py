@@ -222,6 +222,7 @@ def test_one_writer_each_turns_the_deterministic_mode_off_inside_and_puts_it_bac
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
+@pytest.mark.slow
 def test_head_logprobs_hold_no_rows_by_vocabulary_tensor(tmp_path):
     """The memory of `head_logprobs` does not grow with rows x vocabulary: 4,096 rows over a
     65,536-token vocabulary (1 GiB of float32 logits; log_softmax's pass holds three such tensors

@@ -140,6 +140,7 @@ def test_zero_stage_0_clips_and_reports_the_gradient_norm_as_stage_1_does(tiny_t
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.slow
 def test_bf16_steps_on_flat_fp32_masters_with_few_operators_and_resumes_exactly(tiny_tokenizer, tmp_path, zero_stage):
     """bf16 at ZeRO stage 0 or 1 runs DeepSpeed's BF16_Optimizer (trainer.engine.ds_config): bf16
     weights, fp32 gradient accumulation and master weights, one flat step. Its optimizer step issues
@@ -191,6 +192,7 @@ def test_bf16_steps_on_flat_fp32_masters_with_few_operators_and_resumes_exactly(
     assert saved_after_3_then_resumed(cfg, tiny_tokenizer, tmp_path / "crash").state_hash() == full.state_hash()
 
 
+@pytest.mark.slow
 def test_lean_bf16_optimizer_adds_the_same_gradients_with_a_constant_number_of_operators(
         tiny_tokenizer, tmp_path, monkeypatch):
     """trainer.engine.lean_bf16_optimizer against DeepSpeed's BF16_Optimizer as DeepSpeed makes it,

@@ -139,6 +139,7 @@ def run(cfg, tok, data, work, stop_after: int | None = None) -> GRPOTrainer:
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing")  # peft reads a name transformers 5 renamed
+@pytest.mark.slow
 def test_a_lora_grpo_stage_resumes_to_the_uninterrupted_runs_adapters(tiny_tokenizer, data, tmp_path):
     """Four rounds with a KL term (the reference is the policy with its adapters off): stopped after
     round 3, resumed from the round-2 checkpoint, it ends with the uninterrupted run's weights (base,

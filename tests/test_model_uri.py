@@ -71,6 +71,7 @@ def store(tmp_path, monkeypatch):
     return client, models
 
 
+@pytest.mark.slow
 def test_each_form_names_one_model_pinned(store):
     client, (ready, failed, other) = store
     for ref in ("models:/policy/1", "models:/policy@champion", f"models:/{ready}"):
@@ -87,6 +88,7 @@ def test_each_form_names_one_model_pinned(store):
     assert sorted(p.name for p in folder.iterdir()) == [".complete", "config.json", "model.safetensors"]
 
 
+@pytest.mark.slow
 def test_errors_name_what_the_store_has_and_leave_nothing_behind(store, tmp_path):
     client, (ready, failed, other) = store
     where = f"the MLflow store at {client.tracking_uri}"

@@ -152,6 +152,7 @@ def test_the_token_budget_ends_an_episode_before_its_observation(tiny_tokenizer)
     assert batch.stats["rollout/episode_end/token_budget"] == 6
 
 
+@pytest.mark.slow
 def test_a_multi_turn_grpo_stage_resumes_to_the_uninterrupted_runs_weights(tiny_tokenizer, tmp_path, caplog):
     """Three-turn episodes through rollout, reward, update and checkpoint (trainer.loop): a run
     stopped after round 3 and resumed from its round-2 checkpoint ends bitwise where the
@@ -248,6 +249,7 @@ def test_a_calculator_episode_through_the_orchestrator(tiny_tokenizer):
     assert batch.stats["rollout/tool_success_rate"] == 0.5 and batch.stats["rollout/turns_mean"] == 3.0
 
 
+@pytest.mark.slow
 def test_three_turns_on_smollm2_real_weights_and_chat_template(smollm2):
     """SmolLM2-135M-Instruct (real weights, tokenizer, ChatML template): each observation is
     `<|im_end|>\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n` as the template renders

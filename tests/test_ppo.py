@@ -141,6 +141,7 @@ def data():
     return synthetic(cfg.data.synthetic.model_copy(update={"n_train": 40, "n_test": 4}), 0)
 
 
+@pytest.mark.slow
 def test_the_critic_warms_up_then_both_train_and_a_resume_is_exact(tiny_tokenizer, data, tmp_path):
     cfg = load_config("tiny", OVERRIDES)
     full = _run(cfg, tiny_tokenizer, data, tmp_path / "full")

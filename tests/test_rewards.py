@@ -116,6 +116,7 @@ def test_a_reward_that_raises_is_noted_with_its_sample_and_logged_once(caplog):
     assert mix.score(["#### 12"], [EX])[0] == [2.0] and mix.raised == {}  # per call
 
 
+@pytest.mark.slow
 def test_a_reward_that_raises_stops_the_round_naming_it_or_is_skipped(tmp_path, capsys, caplog, small_sft):
     """Through the CLI: exit 2 naming the reward, its error and the example (was the user's
     traceback and exit 1); with grpo.on_bad_reward=skip the round drops those samples and goes on.
@@ -187,6 +188,7 @@ def test_reward_model_bad_path(tmp_path):
         resolve("reward_model", str(tmp_path / "empty"))
 
 
+@pytest.mark.slow
 def test_a_reward_that_cannot_be_imported_stops_the_run_before_any_stage(tmp_path, capsys):
     """The CLI exits 2 naming the reward before a server starts; a run from the Prefect UI (the flow)
     fails the same way before its first stage. Nothing is written either way. A run without GRPO

@@ -27,6 +27,7 @@ def test_a_taken_port_is_named_with_the_fix():
     check_port(port, "the MLflow UI", "--mlflow-port")  # free again
 
 
+@pytest.mark.slow
 def test_a_new_sqlite_store_gets_its_tables_under_the_lock_before_the_mlflow_server_opens_it(tmp_path):
     """`make serve` creates a new store's tables itself, waiting on the lock a pipeline run (or
     another server) holds while it does the same: two creators at once leave one failing."""
@@ -45,6 +46,7 @@ def test_a_new_sqlite_store_gets_its_tables_under_the_lock_before_the_mlflow_ser
     prepare_store("postgresql://db.example/mlflow")  # a server-backed store: its server sets it up
 
 
+@pytest.mark.slow
 def test_start_prepares_a_new_store_before_it_starts_the_mlflow_server(tmp_path, monkeypatch):
     """The order inside `start`: the store's tables exist when `mlflow server` is spawned. Spawning
     is replaced here by a recorder (the real stack, processes and all, runs in

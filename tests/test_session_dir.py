@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_fixed_decoder.py::test_rows_decode_in_power_of_two_buckets",
          "tests/test_layout.py::test_the_detector_finds_a_circle_around_a_loop"]
@@ -40,6 +42,7 @@ def _watch(runs: dict[Path, subprocess.Popen]) -> dict[Path, set[str]]:
     return seen
 
 
+@pytest.mark.slow
 def test_a_pytest_process_leaves_no_session_folder_behind(tmp_path):
     """As `make test` runs (two xdist workers; a worker can end without atexit): the controller's and
     each worker's folder is made where TMPDIR says, and all three are gone when pytest has exited.

@@ -79,6 +79,7 @@ def test_malformed_and_aborted_replies():
                          [1], Tok())
 
 
+@pytest.mark.slow
 def test_unreachable_server_names_url_and_fix_within_bounded_time():
     engine = SGLangEngine([_Server("http://127.0.0.1:9")], Tok(), request_timeout_s=2)
     t0 = time.perf_counter()
