@@ -20,7 +20,8 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    pinned to core 0 (one thread), the rollout process or the server to core 1; the unpinned sync
    run (two threads, both phases) is beside them. `rollout.over_sample=1`, so that every row
    generates the same prompts per round (async rounds drop the over-sampled surplus that sync
-   rounds carry over).
+   rounds carry over). The pinned rows run twice (0 1 2, then 2 1 0), each pass against its own
+   sync row, so that the machine's drift shows.
 
 6. PPO against GRPO (`grpo.advantage` gae / group): the tiny preset's GRPO rounds on its model
    (random init, a dense reward so the critic has values to learn), each mode in its own process,
@@ -318,21 +319,28 @@ def pipeline_overhead() -> dict:
 
 ASYNC_SETTINGS = ["rollout.over_sample=1", "grpo.rounds=20", "grpo.eval_every=100", "grpo.checkpoint_every=100",
                   "grpo.pass_k=1", "eval.seen_examples=0", "control.enabled=false"]
+ASYNC_STEPS = (0, 1, 2)
 STANDIN = Path(__file__).resolve().parent / "sglang_cpu"  # the test-only sgl_kernel stand-in (tests/test_sglang_server.py)
 
 
 def async_rounds() -> dict:
     """GRPO rounds per minute and generated tokens/s for async_steps 0, 1, 2, HF engine and SGLang
-    (one CPU server), pinned as the module docstring says; one `posttrain grpo` run per row."""
+    (one CPU server), pinned as the module docstring says; one `posttrain grpo` run per row and pass.
+
+    The pinned rows run twice, in the order 0 1 2 then 2 1 0: each pass's async rows are compared
+    with its own synchronous row, so a machine whose speed drifts over the minutes a pass takes
+    (seen: one row 0.89x in a run and 1.42x alone an hour later) shows as two ratios that disagree,
+    and a steady drift cancels in their mean."""
     sglang = ["rollout.engine=sglang", "rollout.sglang.device=cpu", f"rollout.sglang.env={{PYTHONPATH: {STANDIN}}}"]
-    rows = []
+    runs = []
     for engine, extra in (("hf", []), ("sglang", sglang)):
-        core1 = "rollout.worker_cpus=[1]" if engine == "hf" else "rollout.sglang.cpus=[1]"
-        rows += [(engine, 0, False, extra), (engine, 0, True, extra + [core1]),
-                 (engine, 1, True, extra + [core1]), (engine, 2, True, extra + [core1])]
+        core1 = extra + ["rollout.worker_cpus=[1]" if engine == "hf" else "rollout.sglang.cpus=[1]"]
+        runs += [(engine, 0, False, 0, extra)]
+        runs += [(engine, k, True, 0, core1) for k in ASYNC_STEPS]
+        runs += [(engine, k, True, 1, core1) for k in reversed(ASYNC_STEPS)]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for engine, k, pinned, extra in rows:
+        for engine, k, pinned, rep, extra in runs:
             env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "PREFECT_HOME": f"{tmp}/prefect",
                    "TOKENIZERS_PARALLELISM": "false"}
             if pinned:
@@ -351,20 +359,37 @@ def async_rounds() -> dict:
             grpo = next(s for s in result["stages"] if s["stage"] == "grpo")
             rounds = [json.loads(x) for x in (Path(grpo["uri"]) / "history.jsonl").read_text().splitlines()][1:]
             wall = sum(h["time/round_wall_seconds"] for h in rounds)
-            row = {"engine": engine, "async_steps": k, "pinned": pinned, "rounds": len(rounds),
+            row = {"engine": engine, "async_steps": k, "pinned": pinned, "pass": rep, "rounds": len(rounds),
                    "rounds_per_minute": 60 * len(rounds) / wall,
                    "tokens_per_second": sum(h["rollout/generated_tokens"] for h in rounds) / wall,
                    "queue_wait_seconds": statistics.fmean(h.get("rollout/queue_wait_seconds", 0.0) for h in rounds),
                    "update_seconds": statistics.fmean(h["time/update_seconds"] for h in rounds),
                    "generate_seconds": statistics.fmean(h["time/generate_seconds"] for h in rounds),
                    "last_reward": rounds[-1]["reward/mean"]}
-            print(f"  {engine:<7} async_steps={k} {'pinned' if pinned else 'unpinned'}: "
+            print(f"  {engine:<7} async_steps={k} {'pinned' if pinned else 'unpinned'} (pass {rep + 1}): "
                   f"{row['rounds_per_minute']:.1f} rounds/min, {row['tokens_per_second']:,.0f} tok/s", flush=True)
             out.append(row)
     for r in out:
-        base = next(b for b in out if b["engine"] == r["engine"] and b["async_steps"] == 0 and b["pinned"])
+        base = next(b for b in out if b["engine"] == r["engine"] and b["async_steps"] == 0 and b["pinned"]
+                    and b["pass"] == r["pass"])
         r["vs_pinned_sync"] = r["rounds_per_minute"] / base["rounds_per_minute"]
-    return {"rows": out}
+    return {"rows": _async_table(out), "runs": out}
+
+
+
+def _async_table(runs: list[dict]) -> list[dict]:
+    """One row per (engine, async_steps, pinned): the means over its passes, and each pass's ratio
+    to that pass's pinned synchronous row (`vs_sync_passes`)."""
+    rows = []
+    for key in dict.fromkeys((r["engine"], r["async_steps"], r["pinned"]) for r in runs):
+        same = [r for r in runs if (r["engine"], r["async_steps"], r["pinned"]) == key]
+        row = {name: statistics.fmean(r[name] for r in same) for name in
+               ("rounds_per_minute", "tokens_per_second", "queue_wait_seconds", "update_seconds",
+                "generate_seconds", "vs_pinned_sync")}
+        row.update(engine=key[0], async_steps=key[1], pinned=key[2], passes=len(same),
+                   vs_sync_passes=[r["vs_pinned_sync"] for r in same])
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------- PPO against GRPO
@@ -774,13 +799,15 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
               f"{100 * p['outside_fraction']:.1f}% of the round; a fully cached re-run of the command "
               f"{p['cached_rerun_seconds']:.1f}s (first run {p['first_run_seconds']:.1f}s)")
     if "async" in out:
-        print("async rounds, tiny preset, rounds 2-20 (pinned: trainer on core 0, rollout process or server on core 1)")
+        print("async rounds, tiny preset, rounds 2-20 (pinned: trainer on core 0, rollout process or server on core 1;")
+        print("  pinned rows: the mean of two passes, 0 1 2 then 2 1 0, and each pass's ratio to its own sync row)")
         print(f"  {'engine':<8}{'async_steps':>12}{'cores':>10}{'rounds/min':>12}{'tok/s':>10}{'vs sync':>9}"
-              f"{'wait s':>8}{'update s':>10}")
+              f"{'passes':>13}{'wait s':>8}{'update s':>10}")
         for r in out["async"]["rows"]:
+            passes = " / ".join(f"{v:.2f}" for v in r["vs_sync_passes"]) if r["pinned"] and r["async_steps"] else ""
             print(f"  {r['engine']:<8}{r['async_steps']:>12}{'pinned' if r['pinned'] else 'unpinned':>10}"
                   f"{r['rounds_per_minute']:>12.1f}{r['tokens_per_second']:>10,.0f}{r['vs_pinned_sync']:>9.2f}"
-                  f"{r['queue_wait_seconds']:>8.3f}{r['update_seconds']:>10.3f}")
+                  f"{passes:>13}{r['queue_wait_seconds']:>8.3f}{r['update_seconds']:>10.3f}")
     if "ppo" in out:
         p = out["ppo"]
         print(f"PPO (gae) against GRPO (group), tiny preset, {p['samples_per_round']} samples a round, medians:")
