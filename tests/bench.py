@@ -376,7 +376,6 @@ def async_rounds() -> dict:
     return {"rows": _async_table(out), "runs": out}
 
 
-
 def _async_table(runs: list[dict]) -> list[dict]:
     """One row per (engine, async_steps, pinned): the means over its passes, and each pass's ratio
     to that pass's pinned synchronous row (`vs_sync_passes`)."""
