@@ -94,8 +94,7 @@ def test_dead_server_process_is_reported():
     proc = subprocess.Popen([sys.executable, "-c", "print('CUDA error: no GPU'); raise SystemExit(3)"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.wait()
-    server = _Server("http://127.0.0.1:9", proc)
-    time.sleep(0.2)
+    server = _Server("http://127.0.0.1:9", proc)  # no wait: check_alive waits for the last lines
     with pytest.raises(SGLangError, match=r"exited with code 3(.|\n)*CUDA error: no GPU"):
         server.check_alive()
 

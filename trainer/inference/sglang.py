@@ -298,6 +298,8 @@ class _Server:
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
+            if self._drainer is not None:
+                self._drainer.join(timeout=5)  # its last lines, which say why it exited
             tail = "\n".join(self.log_tail)
             raise SGLangError(f"SGLang server {self.url} exited with code {self.proc.returncode}; its last "
                               f"output:\n{tail}")
