@@ -4,6 +4,7 @@ number, so that an async run is reproducible and resumes exactly."""
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from trainer.data import synthetic
 from trainer.grpo import GRPOTrainer
 from trainer.loop import run_round, run_rounds
 from trainer.model import build_model
-from trainer.procwatch import process_gone
+from trainer.procwatch import MP_TEMP_PREFIX, note_mp_temp_dir, process_gone
 from trainer.rl.async_rollout import ProducerError, version_for
 
 OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
@@ -120,7 +121,8 @@ def test_a_sync_checkpoint_is_not_resumed_async(tiny_tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_the_rollout_process_stops_when_the_trainer_is_killed(tiny_tokenizer, tmp_path):
-    """A SIGKILLed trainer cannot close its producer: the rollout process sees its parent gone."""
+    """A SIGKILLed trainer cannot close its producer: the rollout process sees its parent gone. The
+    temp folder the trainer's weights went through is removed by the next trainer to start."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -133,12 +135,21 @@ def test_the_rollout_process_stops_when_the_trainer_is_killed(tiny_tokenizer, tm
     # process group's) would leave behind with Python's resource tracker, the one that removes them
     for pid in (proc.pid, worker):
         assert "/dev/shm/sem." not in Path(f"/proc/{pid}/maps").read_text(), pid
+    # the trainer's multiprocessing temp folder (weights go by file descriptor, through a socket in
+    # it), and the link that names it after the trainer's process
+    temp = Path(tempfile.gettempdir())
+    [link] = [p for p in temp.glob(f"{MP_TEMP_PREFIX}*") if p.name.split("-")[3] == str(proc.pid)]
+    folder = temp / os.readlink(link)
+    assert folder.name.startswith("pymp-") and folder.is_dir()
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
     deadline = time.monotonic() + 5
     while not process_gone(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_gone(worker), "the rollout process outlived its trainer by 5 s"
+    assert folder.is_dir() and link.is_symlink()  # a SIGKILL leaves them: Python's own clean-up never ran
+    note_mp_temp_dir()  # as the next run's trainer does
+    assert not folder.exists() and not link.is_symlink()
 
 
 def _trainer_then_wait(work, conn):

@@ -112,6 +112,7 @@ def remove_folder(folder, shared_memory=()) -> None:
 def sweep_dead(folder, prefix: str) -> None:
     """Remove the files and folders in `folder` named `prefix` + a pid + "-..." whose process is gone:
     what a process killed before its own clean-up left (a rendezvous file, a server's temp folder).
+    A link so named goes with the folder it points to, where that is a folder beside it.
     `prefix` names this machine, so a container sharing the folder, with processes this one cannot
     see, never has its live entries taken for dead ones."""
     from glob import escape
@@ -120,10 +121,55 @@ def sweep_dead(folder, prefix: str) -> None:
     for stale in Path(folder).glob(escape(prefix) + "*"):
         pid = stale.name[len(prefix):].partition("-")[0]
         if pid.isdigit() and process_gone(int(pid)):
-            if stale.is_dir() and not stale.is_symlink():
+            if stale.is_symlink():  # a note naming a folder another library made (`note_mp_temp_dir`)
+                target = stale.parent / os.readlink(stale)
+                if target.parent == stale.parent and target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target, ignore_errors=True)
+                try:
+                    stale.unlink()
+                except OSError:
+                    pass
+            elif stale.is_dir():
                 remove_folder(stale)  # with the shared memory it notes
             else:
                 try:
                     stale.unlink()
                 except OSError:
                     pass
+
+
+MP_TEMP_PREFIX = "posttrain-pymp-"
+
+
+def note_mp_temp_dir() -> None:
+    """Make this process's multiprocessing temp folder now (`multiprocessing.util.get_temp_dir`, a
+    `pymp-...` folder in the temp folder, where sending a tensor to another process puts the socket
+    that hands its file descriptor over), and beside it a link to it named after this machine and
+    process. Python removes the folder when the process exits, but not after a SIGKILL: then the
+    next process that calls this removes it and its link (`sweep_dead`), with what other dead
+    processes left."""
+    import hashlib
+    import socket
+    import tempfile
+    from multiprocessing import util
+
+    temp = tempfile.gettempdir()
+    mine = f"{MP_TEMP_PREFIX}{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]}-"
+    sweep_dead(temp, mine)
+    folder = util.get_temp_dir()
+    if os.path.dirname(folder) != temp:
+        return  # made elsewhere (this process's TMPDIR changed meanwhile): not for this folder's sweep
+    link = os.path.join(temp, f"{mine}{os.getpid()}-{os.path.basename(folder)}")
+    try:
+        os.symlink(os.path.basename(folder), link)
+    except FileExistsError:
+        return  # noted already
+    # gone with the folder at a clean exit (multiprocessing removes it with this same priority)
+    util.Finalize(None, _unlink, args=(link,), exitpriority=-100)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

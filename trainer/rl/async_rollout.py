@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer.procwatch import process_gone
+from trainer.procwatch import note_mp_temp_dir, process_gone
 from trainer.rl.trajectory import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,7 @@ class ProcessProducer(_Producer):
         from trainer.lora import inner
 
         ctx = mp.get_context("spawn")
+        note_mp_temp_dir()  # the weights go by file descriptor, through a folder that a SIGKILL leaves
         self.inbox, self.outbox = _Channel(ctx), _Channel(ctx)
         param = next(module.parameters())
         spec = {"rollout": cfg.rollout, "examples": examples, "tok": tok, "model_config": inner(module).config,

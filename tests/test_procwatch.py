@@ -1,0 +1,59 @@
+"""What a killed process leaves in the temp folder, and who removes it (trainer/procwatch.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.procwatch import MP_TEMP_PREFIX, sweep_dead
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTE = "from trainer.procwatch import note_mp_temp_dir; note_mp_temp_dir()"
+
+
+def _python(code: str, temp: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
+                            stdout=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_processs_multiprocessing_folder_goes_at_its_exit_and_after_a_sigkill_at_the_next_start(tmp_path):
+    clean = _python(NOTE, tmp_path)
+    assert clean.wait(timeout=60) == 0
+    assert not list(tmp_path.iterdir())  # the folder and its link, both gone at a clean exit
+
+    killed = _python(NOTE + "; print('noted', flush=True); import time; time.sleep(600)", tmp_path)
+    assert killed.stdout.readline() == "noted\n"
+    [link] = tmp_path.glob(f"{MP_TEMP_PREFIX}*")
+    assert link.name.split("-")[3] == str(killed.pid) and (tmp_path / os.readlink(link)).is_dir()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([link.name, os.readlink(link)])  # both left
+
+    alive = _python(NOTE + "; print('noted', flush=True); import time; time.sleep(600)", tmp_path)
+    try:
+        assert alive.stdout.readline() == "noted\n"
+        [mine] = tmp_path.glob(f"{MP_TEMP_PREFIX}*")  # the dead one's link and folder went as this one began
+        assert mine.name.split("-")[3] == str(alive.pid)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, os.readlink(mine)])
+        sweep_dead(tmp_path, MP_TEMP_PREFIX)  # a live process's folder stays
+        assert (tmp_path / os.readlink(mine)).is_dir()
+    finally:
+        alive.kill()
+        alive.wait(timeout=60)
+
+
+def test_a_dead_processs_link_takes_only_a_folder_beside_it(tmp_path):
+    """A link that points out of the temp folder (or into a folder within it) goes alone."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    outside = tmp_path / "keep"
+    (outside / "data").mkdir(parents=True)
+    temp = tmp_path / "temp"
+    (temp / "sub" / "deep").mkdir(parents=True)
+    far, deep = temp / f"{MP_TEMP_PREFIX}h-{pid}-far", temp / f"{MP_TEMP_PREFIX}h-{pid}-deep"
+    far.symlink_to("../keep")
+    deep.symlink_to("sub/deep")
+    sweep_dead(temp, f"{MP_TEMP_PREFIX}h-")
+    assert not far.is_symlink() and not deep.is_symlink()
+    assert (outside / "data").is_dir() and (temp / "sub" / "deep").is_dir()
