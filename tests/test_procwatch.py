@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTE = "from trainer.procwatch import note_mp_temp_dir; note_mp_temp_dir()"
 
 
-def _python(code: str, temp: Path, **kw) -> subprocess.Popen:
+def _python(code: str, temp: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
-                            stdout=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, text=True)
 
 
-def test_a_processs_multiprocessing_folder_goes_at_its_exit_and_after_a_sigkill_at_the_next_start(tmp_path):
+def test_the_multiprocessing_folder_goes_at_exit_and_after_a_sigkill_at_the_next_start(tmp_path):
     clean = _python(NOTE, tmp_path)
     assert clean.wait(timeout=60) == 0
     assert not list(tmp_path.iterdir())  # the folder and its link, both gone at a clean exit
@@ -43,7 +43,7 @@ def test_a_processs_multiprocessing_folder_goes_at_its_exit_and_after_a_sigkill_
         alive.wait(timeout=60)
 
 
-def test_a_dead_processs_link_takes_only_a_folder_beside_it(tmp_path):
+def test_a_dead_process_link_takes_only_a_folder_beside_it(tmp_path):
     """A link that points out of the temp folder (or into a folder within it) goes alone."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(gone.stdout)
