@@ -4,7 +4,8 @@ number, so that an async run is reproducible and resumes exactly."""
 
 import os
 import signal
-import tempfile
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from trainer.data import synthetic
 from trainer.grpo import GRPOTrainer
 from trainer.loop import run_round, run_rounds
 from trainer.model import build_model
-from trainer.procwatch import MP_TEMP_PREFIX, note_mp_temp_dir, process_gone
+from trainer.procwatch import MP_TEMP_PREFIX, process_gone
 from trainer.rl.async_rollout import ProducerError, version_for
+
+ROOT = Path(__file__).resolve().parent.parent
 
 OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
              "grpo.rounds=6", "grpo.checkpoint_every=2", "grpo.eval_every=100", "rollout.prompts_per_round=3",
@@ -120,46 +123,55 @@ def test_a_sync_checkpoint_is_not_resumed_async(tiny_tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_rollout_process_stops_when_the_trainer_is_killed(tiny_tokenizer, tmp_path):
+def test_the_rollout_process_stops_when_the_trainer_is_killed(tmp_path):
     """A SIGKILLed trainer cannot close its producer: the rollout process sees its parent gone. The
-    temp folder the trainer's weights went through is removed by the next trainer to start."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_trainer_then_wait, args=(str(tmp_path), child_conn))
-    proc.start()
-    worker = parent_conn.recv()
-    assert not process_gone(worker)
-    # the two talk through pipes: no named semaphore in /dev/shm, which a SIGKILL of them both (a
-    # process group's) would leave behind with Python's resource tracker, the one that removes them
-    for pid in (proc.pid, worker):
-        assert "/dev/shm/sem." not in Path(f"/proc/{pid}/maps").read_text(), pid
-    # the trainer's multiprocessing temp folder (weights go by file descriptor, through a socket in
-    # it), and the link that names it after the trainer's process
-    temp = Path(tempfile.gettempdir())
-    [link] = [p for p in temp.glob(f"{MP_TEMP_PREFIX}*") if p.name.split("-")[3] == str(proc.pid)]
-    folder = temp / os.readlink(link)
-    assert folder.name.startswith("pymp-") and folder.is_dir()
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join(10)
+    temp folder the trainer's weights went through is removed by the next trainer to start. The
+    trainer is a fresh interpreter with a temp folder of its own (one started by multiprocessing
+    would share this process's, and other tests' trainers would sweep /tmp meanwhile)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    code = f"from tests.test_async import _trainer_then_wait; _trainer_then_wait({str(tmp_path)!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("rollout pid "):
+                worker = int(line.split()[-1])
+                break
+        else:
+            raise AssertionError(f"the trainer exited with code {proc.wait()} before its rollout process started")
+        assert not process_gone(worker)
+        # the two talk through pipes: no named semaphore in /dev/shm, which a SIGKILL of them both (a
+        # process group's) would leave behind with Python's resource tracker, the one that removes them
+        for pid in (proc.pid, worker):
+            assert "/dev/shm/sem." not in Path(f"/proc/{pid}/maps").read_text(), pid
+        # the trainer's multiprocessing temp folder (weights go by file descriptor, through a socket
+        # in it), and the link that names it after the trainer's process
+        [link] = temp.glob(f"{MP_TEMP_PREFIX}*")
+        assert link.name.split("-")[3] == str(proc.pid)
+        folder = temp / os.readlink(link)
+        assert folder.name.startswith("pymp-") and folder.is_dir()
+    finally:
+        proc.kill()
+        proc.wait(10)
     deadline = time.monotonic() + 5
     while not process_gone(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_gone(worker), "the rollout process outlived its trainer by 5 s"
     assert folder.is_dir() and link.is_symlink()  # a SIGKILL leaves them: Python's own clean-up never ran
-    note_mp_temp_dir()  # as the next run's trainer does
-    assert not folder.exists() and not link.is_symlink()
+    note = "from trainer.procwatch import note_mp_temp_dir; note_mp_temp_dir()"  # as the next trainer does
+    assert subprocess.run([sys.executable, "-c", note], cwd=ROOT, env=env, timeout=120).returncode == 0
+    assert not folder.exists() and not link.is_symlink()  # (its rendezvous file goes at the next launch)
 
 
-def _trainer_then_wait(work, conn):
+def _trainer_then_wait(work):
     from trainer.config import SyntheticData
     from trainer.tokenizer import train_tokenizer
 
     data = synthetic(SyntheticData(n_train=300, n_test=10), seed=0)
     tok = train_tokenizer([m["content"] for ex in data.train for m in ex["messages"]], 200, os.path.join(work, "tok"))
     trainer = _trainer(_cfg(1), tok, os.path.join(work, "run"))
-    conn.send(trainer.producer.pid)
+    print(f"rollout pid {trainer.producer.pid}", flush=True)  # DeepSpeed prints to stdout too
     time.sleep(600)
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.procwatch import MP_TEMP_PREFIX, sweep_dead
+from trainer.procwatch import MP_TEMP_PREFIX, note_mp_temp_dir, sweep_dead
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "from trainer.procwatch import note_mp_temp_dir; note_mp_temp_dir()"
@@ -57,3 +57,23 @@ def test_a_dead_process_link_takes_only_a_folder_beside_it(tmp_path):
     sweep_dead(temp, f"{MP_TEMP_PREFIX}h-")
     assert not far.is_symlink() and not deep.is_symlink()
     assert (outside / "data").is_dir() and (temp / "sub" / "deep").is_dir()
+
+
+def _note_then_die() -> None:
+    note_mp_temp_dir()
+    os._exit(0)  # as a SIGKILL: no clean-up
+
+
+def test_a_child_that_inherited_its_parents_folder_never_has_it_removed(tmp_path):
+    """A process started by multiprocessing inherits its parent's temp folder; its link would have
+    had the live parent's folder removed (seen in the suite: the parent's next tensor send failed,
+    its socket's path gone)."""
+    code = ("import multiprocessing as mp, os\nfrom multiprocessing import util\n"
+            "from trainer.procwatch import note_mp_temp_dir\nfrom tests.test_procwatch import _note_then_die\n"
+            "note_mp_temp_dir()\nmine = util.get_temp_dir()\n"
+            "child = mp.get_context('spawn').Process(target=_note_then_die)\nchild.start()\nchild.join()\n"
+            "note_mp_temp_dir()\nprint(child.exitcode, os.path.isdir(mine), flush=True)\n")
+    proc = _python(code, tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "0 True\n", out
+    assert not list(tmp_path.iterdir())  # and at the parent's clean exit, its folder and link went

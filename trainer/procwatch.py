@@ -147,23 +147,31 @@ def note_mp_temp_dir() -> None:
     that hands its file descriptor over), and beside it a link to it named after this machine and
     process. Python removes the folder when the process exits, but not after a SIGKILL: then the
     next process that calls this removes it and its link (`sweep_dead`), with what other dead
-    processes left."""
+    processes left.
+
+    Only a folder this call makes is linked. A process started by multiprocessing inherits its
+    parent's folder (the path comes with the Process object), and a link under the child's pid would
+    have the parent's live folder removed once the child is gone. Nor is a folder this process made
+    before the call: whether it did is not known."""
     import hashlib
     import socket
     import tempfile
-    from multiprocessing import util
+    from multiprocessing import process, util
 
     temp = tempfile.gettempdir()
     mine = f"{MP_TEMP_PREFIX}{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]}-"
     sweep_dead(temp, mine)
+    config = getattr(process.current_process(), "_config", None)  # where get_temp_dir keeps the path
+    if not isinstance(config, dict) or config.get("tempdir") is not None:
+        return  # inherited, made before, or noted already; or a Python that keeps it elsewhere
     folder = util.get_temp_dir()
     if os.path.dirname(folder) != temp:
         return  # made elsewhere (this process's TMPDIR changed meanwhile): not for this folder's sweep
     link = os.path.join(temp, f"{mine}{os.getpid()}-{os.path.basename(folder)}")
     try:
         os.symlink(os.path.basename(folder), link)
-    except FileExistsError:
-        return  # noted already
+    except OSError:
+        return  # unlinked, the folder is only left after a SIGKILL, as without this
     # gone with the folder at a clean exit (multiprocessing removes it with this same priority)
     util.Finalize(None, _unlink, args=(link,), exitpriority=-100)
 
