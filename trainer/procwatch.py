@@ -125,18 +125,19 @@ def sweep_dead(folder, prefix: str) -> None:
                 target = stale.parent / os.readlink(stale)
                 if target.parent == stale.parent and target.is_dir() and not target.is_symlink():
                     shutil.rmtree(target, ignore_errors=True)
-                try:
-                    stale.unlink()
-                except OSError:
-                    pass
+                _unlink(stale)
             elif stale.is_dir():
                 remove_folder(stale)  # with the shared memory it notes
             else:
-                try:
-                    stale.unlink()
-                except OSError:
-                    pass
+                _unlink(stale)
 
+
+def host_tag() -> str:
+    """This machine's name, short and fixed in length, for the names of temp files swept by pid."""
+    import hashlib
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 MP_TEMP_PREFIX = "posttrain-pymp-"
 
@@ -153,13 +154,11 @@ def note_mp_temp_dir() -> None:
     parent's folder (the path comes with the Process object), and a link under the child's pid would
     have the parent's live folder removed once the child is gone. Nor is a folder this process made
     before the call: whether it did is not known."""
-    import hashlib
-    import socket
     import tempfile
     from multiprocessing import process, util
 
     temp = tempfile.gettempdir()
-    mine = f"{MP_TEMP_PREFIX}{hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]}-"
+    mine = f"{MP_TEMP_PREFIX}{host_tag()}-"
     sweep_dead(temp, mine)
     config = getattr(process.current_process(), "_config", None)  # where get_temp_dir keeps the path
     if not isinstance(config, dict) or config.get("tempdir") is not None:

@@ -254,10 +254,9 @@ def server_scratch() -> Path:
     before it could stop its servers)."""
     import tempfile
 
-    from trainer.procwatch import sweep_dead
+    from trainer.procwatch import host_tag, sweep_dead
 
-    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # short, whatever the name's length
-    temp, mine = Path(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{host}-"
+    temp, mine = Path(tempfile.gettempdir()), f"{SCRATCH_PREFIX}{host_tag()}-"
     if len(str(temp)) > 40 and Path("/tmp").is_dir():  # a unix socket's path has at most 107 characters
         temp = Path("/tmp")
     sweep_dead(temp, mine)
