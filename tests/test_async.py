@@ -19,6 +19,8 @@ from trainer.model import build_model
 from trainer.procwatch import MP_TEMP_PREFIX, process_gone
 from trainer.rl.async_rollout import ProducerError, version_for
 
+from tests.test_procwatch import NOTE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 OVERRIDES = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
@@ -159,8 +161,7 @@ def test_the_rollout_process_stops_when_the_trainer_is_killed(tmp_path):
         time.sleep(0.1)
     assert process_gone(worker), "the rollout process outlived its trainer by 5 s"
     assert folder.is_dir() and link.is_symlink()  # a SIGKILL leaves them: Python's own clean-up never ran
-    note = "from trainer.procwatch import note_mp_temp_dir; note_mp_temp_dir()"  # as the next trainer does
-    assert subprocess.run([sys.executable, "-c", note], cwd=ROOT, env=env, timeout=120).returncode == 0
+    assert subprocess.run([sys.executable, "-c", NOTE], cwd=ROOT, env=env, timeout=120).returncode == 0  # the next trainer
     assert not folder.exists() and not link.is_symlink()  # (its rendezvous file goes at the next launch)
 
 
