@@ -249,9 +249,10 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
     clip = None
     if config["zero_optimization"]["stage"] == 0 and not config["bf16"]["enabled"]:
         clip, config = float(config["gradient_clipping"]), {**config, "gradient_clipping": 0.0}
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
-    )
+    with _no_forced_memory_reports():
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
     if engine.zero_optimization_stage() == 0 and world_size() == 1:
         # One rank without ZeRO has no gradient to reduce, but DeepSpeed's backward would still copy
         # every gradient into flat buckets, "all-reduce" them alone and copy them back: a pass over all
@@ -262,6 +263,22 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, config: dict[str, A
     engine.posttrain_clip = clip  # None: DeepSpeed clips (and keeps the norm)
     engine.posttrain_grad_norm = None
     return engine, optimizer, scheduler
+
+
+@contextlib.contextmanager
+def _no_forced_memory_reports():
+    """DeepSpeed's BF16_Optimizer logs memory as it sets up (at its start and end, and around each
+    parameter group), forced (`see_memory_usage(..., force=True)`), and each report first runs a
+    full `gc.collect()`: about 0.5 s each in a process holding many objects (a test worker, a
+    flow's process). The reports only log; here they are skipped."""
+    from deepspeed.runtime import bf16_optimizer
+
+    forced = bf16_optimizer.see_memory_usage
+    bf16_optimizer.see_memory_usage = lambda message, force=False: None
+    try:
+        yield
+    finally:
+        bf16_optimizer.see_memory_usage = forced
 
 
 def lean_bf16_optimizer(opt) -> bool:
