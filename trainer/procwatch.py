@@ -139,6 +139,7 @@ def host_tag() -> str:
 
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
+
 MP_TEMP_PREFIX = "posttrain-pymp-"
 
 
