@@ -38,13 +38,16 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from threading import Thread
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import requests
 
 from trainer.config import SGLangConfig
 from trainer.errors import InputError
 from trainer.inference.generate import Generation, too_long
+
+if TYPE_CHECKING:  # torch is imported where weights are sent: a server can be started without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -546,7 +549,7 @@ class SGLangEngine:
                                   f"{msg}; it keeps serving its previous weights. Check that the folder is a "
                                   "complete save_pretrained model readable from the server's machine")
 
-    def update_weights_from_tensors(self, weights: dict[str, "torch.Tensor"]) -> None:
+    def update_weights_from_tensors(self, weights: dict[str, torch.Tensor]) -> None:
         """Every server copies `weights` (names as in a save_pretrained folder) from this process's
         memory: chunks of at most TENSOR_CHUNK_BYTES are copied into shared memory (CPU) or exported
         by IPC handle (CUDA), and each server, in one weight-update session, maps and loads them.
