@@ -9,6 +9,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -30,7 +34,7 @@ constexpr int64_t NT_MB = 64;           // rows of A a task keeps in cache
 constexpr int64_t NT_NCHUNK = 16;       // tiles of B a task takes
 constexpr int64_t KN_MB = 512;          // rows of C a task keeps in cache
 constexpr int64_t KN_KB = 256;          // rows of B summed before C is written
-constexpr int64_t PK_ROWS = 256;        // rows of C from which the packed form runs on AVX2
+constexpr int64_t PK_ROWS = 256;        // rows of C from which the packed form runs (`packed`)
 constexpr int64_t PK_ROWS_BY_COLUMNS = 64;  // the same, A read down its columns
 
 inline float hsum(const Vec& v) {
@@ -292,22 +296,43 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
   }
 }
 
-// Whether a product takes the packed form. Auto: on AVX2 only, where the tiled loops reach about half
-// of MKL's rate on the training shapes and the packed form about MKL's (docs/performance.md); the
-// AVX-512 loops, measured faster than MKL, stay. There, from rows enough to pay for packing B (a
-// decoding step's few rows read each weight once, as stored), and for A read down its columns (a
-// weight's gradient, dY^T X) from fewer: the tiled loop reads such an A a few floats a cache line.
-bool packed(int64_t M, int64_t N, int64_t K, bool a_by_columns) {
+// Whether a CPU's vendor string is Intel's (cpuid leaf 0): fixed for a machine, so the forms below,
+// and the bits they give, are too.
+bool intel_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "Genu" "ineI" "ntel"
+#else
+  return false;
+#endif
+}
+
+// Which product a call computes, for `packed` below.
+enum class Product { kForward, kInputGrad, kWeightGrad };
+
+// Whether a product takes the packed form. Auto, by the rates measured on each kind
+// (docs/performance.md): on AVX2 the tiled loops reach about half of MKL's rate on the training
+// shapes and the packed form about MKL's, so every product with rows enough takes it. On AVX-512,
+// AMD's (Zen 5) tiled loops ran about twice MKL's rate there (MKL takes its AVX2 path on AMD), so they
+// stay; on Intel's, where MKL runs its AVX-512 path, the packed form ran the forward 1.1-2x and the
+// weight gradient 1.3-2.4x the tiled loops' rate, and the input gradient no faster, so those two take
+// it. From rows enough to pay for packing B (a decoding step's few rows read each weight once, as
+// stored), and for A read down its columns (a weight's gradient, dY^T X) from fewer: the tiled loop
+// reads such an A a few floats a cache line.
+bool packed(int64_t M, int64_t N, int64_t K, Product p) {
   const int form = g_form.load(std::memory_order_relaxed);
   if (form != 0) return form == 1;
-  return W == 8 && M >= (a_by_columns ? PK_ROWS_BY_COLUMNS : PK_ROWS) && N >= PK_NR && K >= W;
+  static const bool intel = intel_cpu();
+  const bool takes = W == 8 || (intel && p != Product::kInputGrad);
+  return takes && M >= (p == Product::kWeightGrad ? PK_ROWS_BY_COLUMNS : PK_ROWS) && N >= PK_NR && K >= W;
 }
 
 }  // namespace
 
 void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const float* bias, float* C, int64_t ldc,
              int64_t M, int64_t N, int64_t K) {
-  if (packed(M, N, K, false)) return gemm_packed(A, lda, 1, B, 1, ldb, bias, C, ldc, M, N, K, false);
+  if (packed(M, N, K, Product::kForward)) return gemm_packed(A, lda, 1, B, 1, ldb, bias, C, ldc, M, N, K, false);
   const int64_t n_tiles = (N + NT_NR - 1) / NT_NR;
   const int64_t n_chunks = (n_tiles + NT_NCHUNK - 1) / NT_NCHUNK, m_blocks = (M + NT_MB - 1) / NT_MB;
   // a task: one block of A's rows against a chunk of B's tiles (disjoint parts of C)
@@ -329,7 +354,7 @@ void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const flo
 
 void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
              int64_t N, int64_t K, bool accumulate) {
-  if (packed(M, N, K, sak != 1)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
+  if (packed(M, N, K, sak != 1 ? Product::kWeightGrad : Product::kInputGrad)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
   constexpr int64_t TW = KN_NV * W;  // columns of a tile
   const int64_t col_tiles = (N + TW - 1) / TW, m_blocks = (M + KN_MB - 1) / KN_MB;
   if (K == 0) {  // an empty sum

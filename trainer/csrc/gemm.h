@@ -9,10 +9,10 @@
 //    row of C. A Linear's input gradient (A = dY, B = W) and its weight gradient (A = dY^T, read
 //    strided, B = X), with the sum split into blocks of K so that B's panel stays in cache.
 //
-// On AVX2 the products with enough rows take a third, packed form instead (gemm.cpp's `gemm_packed`:
-// B, and an A read down its columns, copied a block at a time into the order its 6 x 16 register
-// tile reads), which the loops above reach only half the rate of there; `torch.ops.posttrain.gemm_form`
-// sets one form for all.
+// On AVX2, and for the forward and the weight gradient on Intel's AVX-512, the products with enough
+// rows take a third, packed form instead (gemm.cpp's `gemm_packed`: B, and an A read down its columns,
+// copied a block at a time into the order its 6-row register tile reads), measured faster than the
+// loops above there (`packed` says where); `torch.ops.posttrain.gemm_form` sets one form for all.
 //
 // Every output element is summed by one thread in a fixed order (k ascending, in vector lanes then
 // across them), whatever the thread count or timing: the results are the same bits from run to run.
