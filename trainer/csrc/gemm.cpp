@@ -354,7 +354,8 @@ void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const flo
 
 void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
              int64_t N, int64_t K, bool accumulate) {
-  if (packed(M, N, K, sak != 1 ? Product::kWeightGrad : Product::kInputGrad)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
+  const Product p = sak != 1 ? Product::kWeightGrad : Product::kInputGrad;  // A read down its columns: dY^T
+  if (packed(M, N, K, p)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
   constexpr int64_t TW = KN_NV * W;  // columns of a tile
   const int64_t col_tiles = (N + TW - 1) / TW, m_blocks = (M + KN_MB - 1) / KN_MB;
   if (K == 0) {  // an empty sum
