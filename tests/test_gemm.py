@@ -69,6 +69,10 @@ def test_long_sums_past_the_cache_block_and_strided_rows(ops):
     big2 = torch.randn(300, 2200, generator=g)
     _close(ops.linear_fwd(x2, w2, None), x2.double() @ w2.double().T)
     _close(ops.linear_dw(dy2, big2), dy2.double().T @ big2.double())
+    # a weight's gradient over a megabyte of dY, which the tiled loops copy a block at a time, its last
+    # block of rows ending 3 rows into a tile
+    dy3, x3 = torch.randn(300, 1003, generator=g), torch.randn(300, 70, generator=g)
+    _close(ops.linear_dw(dy3, x3), dy3.double().T @ x3.double())
 
 
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(ops):

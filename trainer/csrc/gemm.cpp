@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -194,7 +195,11 @@ void pack_b(const float* B, int64_t sbk, int64_t sbn, int64_t k0, int64_t kc, in
       std::copy(src + k * sbk, src + k * sbk + cols, dst + k * PK_NR);
       std::fill(dst + k * PK_NR + cols, dst + (k + 1) * PK_NR, 0.f);
     }
-  } else {  // B(k, n) = W[n, k] (a Linear's weight as stored): read along each weight row
+  } else if (sbk == 1) {  // B(k, n) = W[n, k] (a Linear's weight as stored): a block of W transposed
+    at::vec::transpose_mxn<float>(src, sbn, dst, PK_NR, static_cast<int>(cols), static_cast<int>(kc));
+    if (cols < PK_NR)
+      for (int64_t k = 0; k < kc; ++k) std::fill(dst + k * PK_NR + cols, dst + (k + 1) * PK_NR, 0.f);
+  } else {
     for (int64_t j = 0; j < PK_NR; ++j)
       for (int64_t k = 0; k < kc; ++k) dst[k * PK_NR + j] = j < cols ? src[j * sbn + k * sbk] : 0.f;
   }
@@ -335,11 +340,13 @@ void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, const flo
   if (packed(M, N, K, Product::kForward)) return gemm_packed(A, lda, 1, B, 1, ldb, bias, C, ldc, M, N, K, false);
   const int64_t n_tiles = (N + NT_NR - 1) / NT_NR;
   const int64_t n_chunks = (n_tiles + NT_NCHUNK - 1) / NT_NCHUNK, m_blocks = (M + NT_MB - 1) / NT_MB;
-  // a task: one block of A's rows against a chunk of B's tiles (disjoint parts of C)
+  // a task: one block of A's rows against a chunk of B's tiles (disjoint parts of C); a thread takes
+  // consecutive tasks, every block of A against one chunk before the next, so that B (an output head's
+  // weight, a vocabulary of rows) is read from memory once, not once per block of A
   at::parallel_for(0, m_blocks * n_chunks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t m_lo = (task / n_chunks) * NT_MB, m_hi = std::min(M, m_lo + NT_MB);
-      const int64_t t_lo = (task % n_chunks) * NT_NCHUNK, t_hi = std::min(n_tiles, t_lo + NT_NCHUNK);
+      const int64_t m_lo = (task % m_blocks) * NT_MB, m_hi = std::min(M, m_lo + NT_MB);
+      const int64_t t_lo = (task / m_blocks) * NT_NCHUNK, t_hi = std::min(n_tiles, t_lo + NT_NCHUNK);
       for (int64_t t = t_lo; t < t_hi; ++t) {
         const int64_t n0 = t * NT_NR;
         const int nr = static_cast<int>(std::min<int64_t>(NT_NR, N - n0));
@@ -357,24 +364,52 @@ void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t l
   const Product p = sak != 1 ? Product::kWeightGrad : Product::kInputGrad;  // A read down its columns: dY^T
   if (packed(M, N, K, p)) return gemm_packed(A, sam, sak, B, ldb, 1, nullptr, C, ldc, M, N, K, accumulate);
   constexpr int64_t TW = KN_NV * W;  // columns of a tile
-  const int64_t col_tiles = (N + TW - 1) / TW, m_blocks = (M + KN_MB - 1) / KN_MB;
+  // blocks of at most KN_MB rows, as many for each thread, so that a few column tiles (a weight's
+  // gradient, C a few hundred wide) still share out evenly; the block size changes no bits
+  const int64_t threads = at::get_num_threads();
+  const int64_t m_blocks = threads * at::divup(at::divup(M, KN_MB), threads);
+  const int64_t mb = at::divup(at::divup(M, m_blocks), KN_MR) * KN_MR;
   if (K == 0) {  // an empty sum
     if (!accumulate)
       for (int64_t m = 0; m < M; ++m) std::fill(C + m * ldc, C + m * ldc + N, 0.f);
     return;
   }
-  at::parallel_for(0, m_blocks * col_tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t m_lo = (task / col_tiles) * KN_MB, m_hi = std::min(M, m_lo + KN_MB);
-      const int64_t n0 = (task % col_tiles) * TW, cols = std::min(TW, N - n0);
-      const int nv = static_cast<int>((cols + W - 1) / W);
-      const int64_t last = cols - (nv - 1) * W;
+  // An A read down its columns (dY^T: each k a row of dY, as wide as the layer's output) too large to
+  // stay in cache (over a megabyte) is copied a block of k at a time into tiles of KN_MR rows, k by k,
+  // the order the tile reads it: otherwise each k of a tile is a new cache line, and past a few hundred
+  // columns a new page. The copy is read by every column tile, so it costs a fraction of one pass over A.
+  const bool copy_a = sak != 1 && M * K > (int64_t{1} << 18);
+  at::parallel_for(0, m_blocks, 1, [&](int64_t lo, int64_t hi) {
+    thread_local std::vector<float> Ap;
+    if (copy_a) Ap.resize(static_cast<size_t>(mb * KN_KB));
+    for (int64_t ib = lo; ib < hi; ++ib) {
+      const int64_t m_lo = ib * mb, m_hi = std::min(M, m_lo + mb);
       for (int64_t k0 = 0; k0 < K; k0 += KN_KB) {  // k ascending for every output: a fixed order
         const int64_t kb = std::min(KN_KB, K - k0);
-        for (int64_t m0 = m_lo; m0 < m_hi; m0 += KN_MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(KN_MR, m_hi - m0));
-          kn_any(mr, nv, last == W, A + m0 * sam + k0 * sak, sam, sak, B + k0 * ldb + n0, ldb, C + m0 * ldc + n0, ldc,
-                 kb, last, accumulate || k0 > 0);
+        if (copy_a)
+          for (int64_t m0 = m_lo; m0 < m_hi; m0 += KN_MR) {
+            const int64_t mr = std::min<int64_t>(KN_MR, m_hi - m0);
+            float* dst = Ap.data() + (m0 - m_lo) * kb;
+            for (int64_t k = 0; k < kb; ++k) {
+              const float* src = A + m0 * sam + (k0 + k) * sak;
+              if (mr == KN_MR && sam == 1) {
+                std::memcpy(dst + k * KN_MR, src, sizeof(float) * KN_MR);
+              } else {
+                for (int64_t r = 0; r < mr; ++r) dst[k * KN_MR + r] = src[r * sam];
+              }
+            }
+          }
+        // every column tile against this block of A before the next block of k (it stays in cache)
+        for (int64_t n0 = 0; n0 < N; n0 += TW) {
+          const int64_t cols = std::min(TW, N - n0);
+          const int nv = static_cast<int>((cols + W - 1) / W);
+          const int64_t last = cols - (nv - 1) * W;
+          for (int64_t m0 = m_lo; m0 < m_hi; m0 += KN_MR) {
+            const int mr = static_cast<int>(std::min<int64_t>(KN_MR, m_hi - m0));
+            const float* a = copy_a ? Ap.data() + (m0 - m_lo) * kb : A + m0 * sam + k0 * sak;
+            kn_any(mr, nv, last == W, a, copy_a ? 1 : sam, copy_a ? KN_MR : sak, B + k0 * ldb + n0, ldb,
+                   C + m0 * ldc + n0, ldc, kb, last, accumulate || k0 > 0);
+          }
         }
       }
     }

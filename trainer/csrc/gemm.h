@@ -7,7 +7,8 @@
 //    contiguously. A Linear's forward (B its weight, [out, in], as stored: nothing transposed or packed).
 //  - broadcast form, C = A B with B [K, N] row-major: an element of A times a row of B, added into a
 //    row of C. A Linear's input gradient (A = dY, B = W) and its weight gradient (A = dY^T, read
-//    strided, B = X), with the sum split into blocks of K so that B's panel stays in cache.
+//    strided, and copied a block at a time into the order a tile reads it when it is large, B = X),
+//    with the sum split into blocks of K so that A's and B's blocks stay in cache.
 //
 // On AVX2, and for the forward and the weight gradient on Intel's AVX-512, the products with enough
 // rows take a third, packed form instead (gemm.cpp's `gemm_packed`: B, and an A read down its columns,
