@@ -1,8 +1,8 @@
 """The compiled matrix products (`trainer/csrc/gemm.cpp`) against float64 references, on every tile
 remainder (rows, columns and the summed dimension not multiples of the tiles or the vector width),
 strided rows, a summed dimension past the cache block, and from run to run the same bits. Each test
-runs both forms, whichever this CPU takes by default: the register-tiled loops (AMD's AVX-512's) and
-the packed one (AVX2's and Intel's AVX-512's for the training shapes), set through
+runs both forms, whichever this CPU takes by default: the register-tiled loops (a decoding step's, and
+the gradients' on AVX-512) and the packed one (the training forward's, and every product's on AVX2), set through
 `torch.ops.posttrain.gemm_form`."""
 
 from __future__ import annotations
@@ -137,21 +137,19 @@ def test_the_form_is_named_and_a_wrong_name_refused(built):
     assert built.gemm_form("") == "auto"
 
 
-def _intel() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.split(":", 1)[1].strip() == "GenuineIntel" for line in f if line.startswith("vendor_id"))
-
-
 def test_auto_takes_the_form_measured_faster_on_this_cpu(built):
-    """"auto": the packed form for a forward of 256 rows or more on AVX2 and on Intel's AVX-512 (where
-    MKL's AVX-512 path showed the tiled loops slow), the tiled loops on AMD's AVX-512 and for fewer
-    rows (a decoding step's) everywhere. The forms differ in the forward's bits, which tell which ran;
-    both gradients are one FMA chain per element either way, the same bits, so their form is speed only."""
+    """"auto": the packed form for a forward of 256 rows or more, on AVX-512 unless the weight has
+    over 32 times as many rows (an output head over a vocabulary); the tiled loops for fewer rows (a
+    decoding step's), and for an output head on AVX-512. No vendor enters: one ISA, one choice. The
+    forms differ in the forward's bits, which tell which ran; both gradients are one FMA chain per
+    element either way, the same bits, so their form is speed only."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(150, 200, generator=g)
-    packed_rows = kernels.variant() != "avx512" or _intel()
-    for rows, want in ((300, "packed" if packed_rows else "tiled"), (16, "tiled")):
-        x, dy = torch.randn(rows, 200, generator=g), torch.randn(rows, 150, generator=g)
+    avx2 = kernels.variant() != "avx512"
+    cases = ((300, 150, "packed"), (16, 150, "tiled"),
+             (300, 32 * 300 + 32, "packed" if avx2 else "tiled"))
+    for rows, out, want in cases:
+        w = torch.randn(out, 200, generator=g)
+        x, dy = torch.randn(rows, 200, generator=g), torch.randn(rows, out, generator=g)
         got = {}
         try:
             for form in ("tiled", "packed", "auto"):
@@ -160,7 +158,7 @@ def test_auto_takes_the_form_measured_faster_on_this_cpu(built):
         finally:
             built.gemm_form("auto")
         assert not torch.equal(got["tiled"][0], got["packed"][0])  # the forward's bits tell the forms apart
-        assert torch.equal(got["auto"][0], got[want][0]), f"{rows} rows: auto did not take the {want} form"
+        assert torch.equal(got["auto"][0], got[want][0]), f"{rows} x {out}: auto did not take the {want} form"
         for grad in (1, 2):
             assert torch.equal(got["tiled"][grad], got["packed"][grad])
             assert torch.equal(got["auto"][grad], got["tiled"][grad])

@@ -9,10 +9,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -301,35 +297,24 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
   }
 }
 
-// Whether a CPU's vendor string is Intel's (cpuid leaf 0): fixed for a machine, so the forms below,
-// and the bits they give, are too.
-bool intel_cpu() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "Genu" "ineI" "ntel"
-#else
-  return false;
-#endif
-}
-
 // Which product a call computes, for `packed` below.
 enum class Product { kForward, kInputGrad, kWeightGrad };
 
 // Whether a product takes the packed form. Auto, by the rates measured on each kind
 // (docs/performance.md): on AVX2 the tiled loops reach about half of MKL's rate on the training
-// shapes and the packed form about MKL's, so every product with rows enough takes it. On AVX-512,
-// AMD's (Zen 5) tiled loops ran about twice MKL's rate there (MKL takes its AVX2 path on AMD), so they
-// stay; on Intel's, where MKL runs its AVX-512 path, the packed form ran the forward 1.1-2x and the
-// weight gradient 1.3-2.4x the tiled loops' rate, and the input gradient no faster, so those two take
-// it. From rows enough to pay for packing B (a decoding step's few rows read each weight once, as
-// stored), and for A read down its columns (a weight's gradient, dY^T X) from fewer: the tiled loop
-// reads such an A a few floats a cache line.
+// shapes and the packed form about MKL's, so every product with rows enough takes it. On AVX-512
+// (Intel's Xeon with MKL's AVX-512 path, and AMD's Zen 4) the packed form ran the forward 1.1-2.5x
+// the tiled loops' rate, most on a short sum (a 128-wide layer, where the tiled loop's sums across
+// a vector cost most), and the gradients no faster (the weight gradient's loops copy a strided A
+// themselves), so the forward takes it, unless B has many more rows than A (an output head over a
+// vocabulary: its copy costs more than it saves, measured up to a thousand rows of A). From rows
+// enough to pay for packing B (a decoding step's few rows read each weight once, as stored), and
+// for A read down its columns (a weight's gradient, dY^T X) from fewer: the tiled loop reads such an
+// A a few floats a cache line. The rule names no vendor: one ISA, the same bits on every CPU.
 bool packed(int64_t M, int64_t N, int64_t K, Product p) {
   const int form = g_form.load(std::memory_order_relaxed);
   if (form != 0) return form == 1;
-  static const bool intel = intel_cpu();
-  const bool takes = W == 8 || (intel && p != Product::kInputGrad);
+  const bool takes = W == 8 || (p == Product::kForward && N <= 32 * M);
   return takes && M >= (p == Product::kWeightGrad ? PK_ROWS_BY_COLUMNS : PK_ROWS) && N >= PK_NR && K >= W;
 }
 

@@ -10,10 +10,10 @@
 //    strided, and copied a block at a time into the order a tile reads it when it is large, B = X),
 //    with the sum split into blocks of K so that A's and B's blocks stay in cache.
 //
-// On AVX2, and for the forward and the weight gradient on Intel's AVX-512, the products with enough
-// rows take a third, packed form instead (gemm.cpp's `gemm_packed`: B, and an A read down its columns,
-// copied a block at a time into the order its 6-row register tile reads), measured faster than the
-// loops above there (`packed` says where); `torch.ops.posttrain.gemm_form` sets one form for all.
+// On AVX2 every product, and on AVX-512 the forward, with enough rows takes a third, packed form
+// instead (gemm.cpp's `gemm_packed`: B, and an A read down its columns, copied a block at a time into
+// the order its 6-row register tile reads), measured faster than the loops above there (`packed`
+// says where); `torch.ops.posttrain.gemm_form` sets one form for all.
 //
 // Every output element is summed by one thread in a fixed order (k ascending, in vector lanes then
 // across them), whatever the thread count or timing: the results are the same bits from run to run.
