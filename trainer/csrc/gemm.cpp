@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -173,13 +172,14 @@ constexpr int64_t PK_MC = 144;           // rows of A a thread takes at once (th
 std::atomic<int> g_form{0};  // 0 auto, 1 packed wherever it can run, 2 the register-tiled loops only
 
 // A's rows m0.. (rows of them, the rest zero) x columns k0..k0+kc, A read down its columns (sam 1), into
-// panels of PK_MR rows: dst[(panel, k, r)]
+// panels of MR rows (a register tile's: PK_MR for the packed form, KN_MR for gemm_kn's): dst[(panel, k, r)]
+template <int MR>
 void pack_a(const float* A, int64_t sak, int64_t m0, int64_t rows, int64_t k0, int64_t kc, float* dst) {
-  for (int64_t p = 0; p * PK_MR < rows; ++p, dst += kc * PK_MR) {
-    const int64_t mr = std::min<int64_t>(PK_MR, rows - p * PK_MR);
-    const float* src = A + m0 + p * PK_MR + k0 * sak;
+  for (int64_t p = 0; p * MR < rows; ++p, dst += kc * MR) {
+    const int64_t mr = std::min<int64_t>(MR, rows - p * MR);
+    const float* src = A + m0 + p * MR + k0 * sak;
     for (int64_t k = 0; k < kc; ++k)
-      for (int64_t r = 0; r < PK_MR; ++r) dst[k * PK_MR + r] = r < mr ? src[k * sak + r] : 0.f;
+      for (int64_t r = 0; r < MR; ++r) dst[k * MR + r] = r < mr ? src[k * sak + r] : 0.f;
   }
 }
 
@@ -260,7 +260,7 @@ void gemm_packed(const float* A, int64_t sam, int64_t sak, const float* B, int64
         float edge_c[PK_MR * PK_NR];
         for (int64_t ib = lo; ib < hi; ++ib) {
           const int64_t m_lo = ib * mc, m_hi = std::min(M, m_lo + mc);
-          if (!rows) pack_a(A, sak, m_lo, m_hi - m_lo, pc, kc, Ap.data());
+          if (!rows) pack_a<PK_MR>(A, sak, m_lo, m_hi - m_lo, pc, kc, Ap.data());
           for (int64_t q = 0; q < panels; ++q) {
             const int64_t n0 = jc + q * PK_NR, nr = std::min(PK_NR, jc + nc - n0);
             const float* bp = Bp.get() + q * kc * PK_NR;
@@ -360,10 +360,10 @@ void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t l
     return;
   }
   // An A read down its columns (dY^T: each k a row of dY, as wide as the layer's output) too large to
-  // stay in cache (over a megabyte) is copied a block of k at a time into tiles of KN_MR rows, k by k,
-  // the order the tile reads it: otherwise each k of a tile is a new cache line, and past a few hundred
+  // stay in cache (over a megabyte) is copied a block of k at a time into tiles of KN_MR rows, k by k
+  // (pack_a, as the packed form copies its A), the order the tile reads it: otherwise each k of a tile is a new cache line, and past a few hundred
   // columns a new page. The copy is read by every column tile, so it costs a fraction of one pass over A.
-  const bool copy_a = sak != 1 && M * K > (int64_t{1} << 18);
+  const bool copy_a = sam == 1 && sak != 1 && M * K > (int64_t{1} << 18);
   at::parallel_for(0, m_blocks, 1, [&](int64_t lo, int64_t hi) {
     thread_local std::vector<float> Ap;
     if (copy_a) Ap.resize(static_cast<size_t>(mb * KN_KB));
@@ -371,19 +371,7 @@ void gemm_kn(const float* A, int64_t sam, int64_t sak, const float* B, int64_t l
       const int64_t m_lo = ib * mb, m_hi = std::min(M, m_lo + mb);
       for (int64_t k0 = 0; k0 < K; k0 += KN_KB) {  // k ascending for every output: a fixed order
         const int64_t kb = std::min(KN_KB, K - k0);
-        if (copy_a)
-          for (int64_t m0 = m_lo; m0 < m_hi; m0 += KN_MR) {
-            const int64_t mr = std::min<int64_t>(KN_MR, m_hi - m0);
-            float* dst = Ap.data() + (m0 - m_lo) * kb;
-            for (int64_t k = 0; k < kb; ++k) {
-              const float* src = A + m0 * sam + (k0 + k) * sak;
-              if (mr == KN_MR && sam == 1) {
-                std::memcpy(dst + k * KN_MR, src, sizeof(float) * KN_MR);
-              } else {
-                for (int64_t r = 0; r < mr; ++r) dst[k * KN_MR + r] = src[r * sam];
-              }
-            }
-          }
+        if (copy_a) pack_a<KN_MR>(A, sak, m_lo, m_hi - m_lo, k0, kb, Ap.data());
         // every column tile against this block of A before the next block of k (it stays in cache)
         for (int64_t n0 = 0; n0 < N; n0 += TW) {
           const int64_t cols = std::min(TW, N - n0);
