@@ -83,6 +83,7 @@ def _hf_greedy(model, tok, prompts, max_new):
     for r, p in enumerate(prompts):
         ids[r, width - len(p):] = torch.tensor(p)
         attn[r, width - len(p):] = 1
+    ids, attn = ids.to(model.device), attn.to(model.device)  # the fixed decoder's CUDA tests compare on the GPU
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
