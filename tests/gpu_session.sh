@@ -3,7 +3,8 @@
 # so that a slow or failing step leaves the next ones their turn. Run from the project root on the
 # GPU host after `. .gpu/host.sh` has joined the model (docs/gpu.md); logs under $OUT (or ./gpu-out).
 #   1. the CUDA-only tests of the fixed-shape decoder (capture, replay, deterministic mode, moved
-#      weights) and of the fused norms (fewer operators, deterministic backward); SKIP_TESTS=1 when
+#      weights), of the fused norms (fewer operators, deterministic backward) and of the TF32 switch
+#      (14 tests, 37 s on an H200); SKIP_TESTS=1 when
 #      an earlier call of the lease ran them
 #   2. where the time goes: python -m tests.gpu_profile (the decoder's step with sampling captured and
 #      eager, fp32 and bf16; the update's phases and top operators, bf16 and fp32 at ZeRO stage 0, and
@@ -37,7 +38,7 @@ python3 -c "import os; from trainer.model import resolve_pretrained; print(resol
   >>"$O/env.txt" 2>&1 &
 ! want tests ||
   step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py tests/test_fused_norms.py \
-    -k "graph or weights_that_move or captured or on_cuda"
+    tests/test_tf32.py -k "graph or weights_that_move or captured or on_cuda or tf32"
 wait
 ! want profile || step 150 profile.txt python3 -m tests.gpu_profile
 SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16;posttrain bf16, not deterministic"
