@@ -4,8 +4,7 @@
 # GPU host after `. .gpu/host.sh` has joined the model (docs/gpu.md); logs under $OUT (or ./gpu-out).
 #   1. the CUDA-only tests of the fixed-shape decoder (capture, replay, deterministic mode, moved
 #      weights), of the fused norms (fewer operators, deterministic backward) and of the TF32 switch
-#      (14 tests, 37 s on an H200); SKIP_TESTS=1 when
-#      an earlier call of the lease ran them
+#      (14 tests, 37 s on an H200); SKIP_TESTS=1 when an earlier call of the lease ran them
 #   2. where the time goes: python -m tests.gpu_profile (the decoder's step with sampling captured and
 #      eager, fp32 and bf16; the update's phases and top operators, bf16 and fp32 at ZeRO stage 0, and
 #      bf16 without the deterministic mode)
