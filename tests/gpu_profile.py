@@ -36,10 +36,11 @@ import torch
 
 
 def _sync_time(f):
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     r = f()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0, r
 
 
@@ -136,6 +137,112 @@ def decode_profile() -> dict:
             del dec
         del model
         torch.cuda.empty_cache()
+    return out
+
+
+def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small: bool = False) -> dict:
+    """`variants`: the fixed-shape decoder as shipped against itself with one change at a time
+    undone, on SmolLM2-135M's shape with random weights (16 prompts of 40 tokens x 8 samples x 128
+    new tokens, T = 1, no EOS before the end: a decode's time does not depend on the weights'
+    values, so no model file is needed), fp32 and bf16, alternating the variants `rounds` times in
+    one process: tokens/s of a `decode` call (`calls` timed after one that captures). The changes:
+    attending only the filled columns rounded up (`width_graphs`), the residual added by the
+    product's epilogue (`residual_in_product`), bf16's norm in two kernels (`_fast_rms`; four
+    before), the prefill through the fused products, and the host's look every CHECK_EVERY steps
+    (`no look`: never). Then where a call's time goes: its fixed part (a call of one new token) and
+    the prefill alone, with the device synchronised around each. `small`: 2 layers, 4 x 2 rows, 16
+    new tokens (the CPU suite's check that it runs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.engine import deterministic
+    from trainer.inference import cuda as C
+    from trainer.inference.cpu import FastDecoder
+
+    deterministic()
+    fast_rms = C._fast_rms
+
+    def four_kernel_rms(x, weight, eps):  # bf16's norm before: cast, fused kernel, cast back, weight
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return fast_rms(x, weight, eps)
+        return weight * torch.nn.functional.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    class EagerPrefill(C.StaticDecoder):  # the prefill through FastDecoder's separate products
+        _qkv = FastDecoder._qkv
+        _out_mlp = FastDecoder._out_mlp
+
+    def make(name: str, model) -> C.StaticDecoder:
+        dec = (EagerPrefill if name in ("before", "prefill unfused") else C.StaticDecoder)(model, graphs=device == "cuda")
+        if name in ("before", "whole width"):
+            dec.width_graphs = False
+        if name in ("before", "separate adds"):
+            dec.residual_in_product = False
+        return dec
+
+    variants = ["as shipped", "before", "whole width", "separate adds", "four-kernel norm", "prefill unfused",
+                "no look"]
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+    groups, samples, new = (4, 2, 16) if small else (16, 8, 128)
+    if small:
+        cfg.num_hidden_layers, cfg.vocab_size = 2, 512
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (40,), generator=g).tolist() for _ in range(groups)]
+    prompts = [p for p in prompts for _ in range(samples)]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(device, dtype).eval()
+        decs = {name: make(name, model) for name in variants}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+
+        def call(name, max_new=new):
+            C._fast_rms = four_kernel_rms if name in ("before", "four-kernel norm") else fast_rms
+            check = C.CHECK_EVERY
+            C.CHECK_EVERY = 10 ** 9 if name == "no look" else check
+            try:
+                return _sync_time(lambda: decs[name].decode(prompts, max_new, 0, 1, temperature=1.0, min_new=max_new))
+            finally:
+                C._fast_rms, C.CHECK_EVERY = fast_rms, check
+
+        for name in variants:
+            call(name)  # captures
+        for r in range(rounds):
+            for name in (variants if r % 2 == 0 else variants[::-1]):
+                times[name] += [call(name)[0] for _ in range(calls)]
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        rows = {name: {"tokens_per_second": len(prompts) * new / statistics.median(ts),
+                       "call_seconds": statistics.median(ts), "calls": ts} for name, ts in times.items()}
+        for name in ("as shipped", "before"):  # a call's fixed part, and the prefill within it
+            fixed = statistics.median([call(name, 1)[0] for _ in range(3)])
+            dec, spent = decs[name], []
+            forward = dec._forward
+
+            def timed_forward(*a, _f=forward, **k):
+                torch.cuda.synchronize() if device == "cuda" else None
+                t0 = time.perf_counter()
+                r = _f(*a, **k)
+                torch.cuda.synchronize() if device == "cuda" else None
+                spent.append(time.perf_counter() - t0)
+                return r
+
+            dec._forward = timed_forward
+            call(name)
+            del dec._forward
+            rows[name].update(fixed_seconds=fixed, prefill_seconds=spent[0],
+                              step_ms=1e3 * (rows[name]["call_seconds"] - fixed) / (new - 1))
+        st = next(iter(decs["as shipped"].shapes.values()))
+        if device == "cuda":
+            for width, graph in sorted(st.graphs.items()):
+                t, _ = _sync_time(lambda: [graph.replay() for _ in range(100)])
+                rows["as shipped"][f"replay_ms_width_{width}"] = 10 * t
+        out[label] = rows
+        for name, row in rows.items():
+            extra = "".join(f"  {k} {v:.4f}" for k, v in row.items() if k.endswith(("seconds", "_ms")) or "width" in k)
+            print(f"variants {label} {name:<17} {row['tokens_per_second']:>9,.0f} tok/s{extra}", flush=True)
+        del decs, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -344,8 +451,8 @@ def _in_own_process(function: str, *args: str) -> dict:
 
 def main() -> None:
     which = sys.argv[1:] or ["decode", "update"]
-    if not torch.cuda.is_available() and which != ["ops"]:
-        sys.exit("tests.gpu_profile measures a CUDA device; this machine has none (`ops` runs anywhere)")
+    if not torch.cuda.is_available() and not set(which) <= {"ops", "variants"}:
+        sys.exit("tests.gpu_profile measures a CUDA device; this machine has none (`ops` and `variants` run anywhere)")
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__}
     path = Path(os.environ.get("OUT", "gpu-out")) / "profile.json"
@@ -364,6 +471,9 @@ def main() -> None:
             path.write_text(json.dumps(res, indent=1))
             torch.cuda.empty_cache()
         res["update"]["bf16 ZeRO-0, not deterministic"] = _in_own_process("update_profile_nondeterministic", "bf16")
+        path.write_text(json.dumps(res, indent=1))
+    if "variants" in which:
+        res["variants"] = decode_variants("cuda" if torch.cuda.is_available() else "cpu")
         path.write_text(json.dumps(res, indent=1))
     if "ops" in which:
         res["ops"] = {precision: _in_own_process("update_operators", precision) for precision in ("bf16", "fp32")}

@@ -14,7 +14,9 @@
 #      posttrain's model.tf32 against TRL's tf32=True, with TF32=1)
 #   4. the smollm2-135m preset through the real CLI (Prefect, MLflow on SQLite), as shipped; then with
 #      POSTTRAIN_DETERMINISTIC=0 where NONDET=1
-# STEPS="profile bench" (say) runs those of tests, profile, bench, speedrun only: a lease can split
+#   (variants, asked for by name: the decoder as shipped against itself with one change at a time undone,
+#   python -m tests.gpu_profile variants, about a minute)
+# STEPS="profile bench" (say) runs those of tests, variants, profile, bench, speedrun only: a lease can split
 # them over calls (a call takes at most 600 s; the machine and /tmp stay while it is warm).
 set -u
 STEPS=" ${STEPS:-tests profile bench speedrun} "
@@ -37,8 +39,9 @@ python3 -c "import os; from trainer.model import resolve_pretrained; print(resol
   >>"$O/env.txt" 2>&1 &
 ! want tests ||
   step 150 tests.txt python3 -m pytest -q -p no:cacheprovider -rs tests/test_fixed_decoder.py tests/test_fused_norms.py \
-    tests/test_tf32.py -k "graph or weights_that_move or captured or on_cuda or tf32"
+    tests/test_tf32.py -k "graph or weights_that_move or captured or on_cuda or tf32 or rounds_where"
 wait
+! want variants || step 200 variants.txt python3 -m tests.gpu_profile variants
 ! want profile || step 150 profile.txt python3 -m tests.gpu_profile
 SESSIONS="TRL fp32;posttrain fp32;posttrain fp32, not deterministic;TRL bf16;posttrain bf16;posttrain bf16, not deterministic"
 [ "${BENCH_ALL:-0}" = 1 ] && SESSIONS="$SESSIONS;TRL fp32, continuous batching"

@@ -17,7 +17,7 @@ from tests.bench_ref import problems
 from tests.test_fastgen import _hf_greedy, _model, _prompts, char_tok  # noqa: F401 (a fixture)
 from trainer.chat import encode_prompt
 from trainer.inference.cpu import FastDecoder
-from trainer.inference.cuda import StaticDecoder, _Fixed, bucket
+from trainer.inference.cuda import WIDTH_STEP, StaticDecoder, _Fixed, bucket
 from trainer.inference.generate import StopStrings, decoder_for, generate
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.trajectory import Sample, pack
@@ -178,6 +178,34 @@ def test_one_hot_column_writes_decode_as_index_copy_does(char_tok):
     assert sum(len(t) for t in got[True][0]) > 150
 
 
+def test_steps_attend_the_filled_columns_and_decode_as_the_whole_width_does(char_tok):
+    """A step attends the cache's first columns, a multiple of WIDTH_STEP that holds every column
+    written so far (one graph a width on CUDA), and adds each residual in its product's epilogue:
+    the same greedy tokens as attending the whole cache with separate adds (and as HF generate),
+    log-probs within float rounding, across two widths, and the prefill with them."""
+    model = _model("qwen2", char_tok)  # biases on q, k, v: the products that keep their separate add
+    prompts, eos, pad = _prompts(char_tok, 9), char_tok.eos_token_id, char_tok.pad_token_id
+    width = max(len(p) for p in prompts)
+    new = WIDTH_STEP + 8 - width  # a cache 2 steps wide (the tiny model's 128 positions); steps cross into the 2nd
+    got = {}
+    for lean in (True, False):
+        dec = StaticDecoder(model, graphs=False)
+        dec.width_graphs = dec.residual_in_product = lean
+        widths, step = [], dec._step
+        dec._step = lambda st, w, _step=step: widths.append(w) or _step(st, w)
+        got[lean] = dec.decode(prompts, new, eos, pad), widths
+    (toks, lps), widths = got[True]
+    (whole_toks, whole_lps), whole_widths = got[False]
+    steps = len(widths)
+    assert width < WIDTH_STEP and whole_widths == [2 * WIDTH_STEP] * steps
+    assert widths == [((width + t) // WIDTH_STEP + 1) * WIDTH_STEP for t in range(steps)]
+    assert set(widths) == {WIDTH_STEP, 2 * WIDTH_STEP}
+    assert toks == whole_toks == _hf_greedy(model, char_tok, prompts, new)
+    assert max(abs(a - b) for x, y in zip(lps, whole_lps) for a, b in zip(x, y)) < 1e-5
+    gap, mean, n = _trainer_gap(model, char_tok, prompts, toks, lps, 1.0)
+    assert n > 100 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
+
+
 @pytest.mark.parametrize("decoder", ["fixed", "cpu"])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p, decoder):
@@ -234,7 +262,7 @@ def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(char_tok, dtype)
     dec = StaticDecoder(model, graphs=True)
     first = dec.decode(prompts, 40, eos, pad)
     (st,) = dec.shapes.values()
-    assert st.graph is not None
+    assert st.graphs and set(st.graphs) <= {64, 128}  # a graph a width the steps attended
     again = dec.decode(prompts, 40, eos, pad)  # the captured graph, replayed
     for got in (first, again):  # the same kernels at the same shapes: the same tokens, log-probs to rounding
         assert got[0] == eager[0]
@@ -282,7 +310,7 @@ def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
         dec = StaticDecoder(model, graphs=True)
         got = [dec.decode(prompts, 24, eos, pad) for _ in range(2)]
         (st,) = dec.shapes.values()
-        assert st.graph is not None and dec.use_graphs
+        assert st.graphs and dec.use_graphs
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(was)
@@ -307,7 +335,7 @@ def test_captured_sampling_draws_the_same_whichever_call_captured(char_tok):
     old = StaticDecoder(model, graphs=True)
     run(old, 1)
     (st,) = old.shapes.values()
-    assert st.graph is not None and list(st.advances) and all(g is not None for g in st.advances.values())
+    assert st.graphs and list(st.advances) and all(g is not None for g in st.advances.values())
     again, fresh = run(old, 2), run(StaticDecoder(model, graphs=True), 2)
     assert again == fresh
     toks, lps = again

@@ -257,3 +257,24 @@ def test_on_cuda_the_fused_norm_runs_under_the_deterministic_mode_the_same_each_
         assert all(torch.equal(a, b) for a, b in zip(*runs))
     finally:
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine: the CPU case above ran the same code"))])
+def test_in_bf16_the_norm_rounds_where_the_models_own_rounds(device):
+    """In bf16 `_fast_rms` hands rms_norm the bf16 values (it computes in float32 and rounds once) and
+    multiplies by the weight after: two kernels where casting to float32 first and back after takes
+    four. The same bits as that order (transformers' casts), forward and backward, on rows as wide
+    as SmolLM2's and Qwen's, with a residual stream's large values."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for width in (64, 576, 896):
+        x0 = (torch.randn(777, width, device=device, generator=g) * 40).bfloat16()
+        w0 = torch.rand(width, device=device, generator=g).bfloat16()
+        grad = torch.randn(777, width, device=device, generator=g).bfloat16()
+        out = []
+        for f in (cuda._fast_rms, lambda x, w, eps: w * F.rms_norm(x.float(), w.shape, None, eps).to(x.dtype)):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            y = f(x, w, 1e-5)
+            y.backward(grad)
+            out.append((y.detach(), x.grad, w.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*out)), width

@@ -51,7 +51,10 @@ def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     in the last bit of float32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return _rms(x, weight, eps)  # one fused kernel already
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    # rms_norm computes in float32 whatever its input (CUDA's kernel and the CPU's operators alike)
+    # and rounds once to the input's dtype: HF's x.float(), its product by rsqrt and the cast back in
+    # one kernel, where casting first and last would be two more
+    return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
 # Where a model's RMSNorm layers take torch's fused kernel (`fuse_norms`). Only CUDA builds of torch
@@ -94,7 +97,7 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 
 GRAPHS_ENV = "POSTTRAIN_CUDA_GRAPHS"  # "0": the fixed-shape decoder runs its step eagerly on CUDA too
-WIDTH_STEP = 64  # cache widths round up to a multiple of this: few shapes, so captured graphs are reused
+WIDTH_STEP = 64  # cache widths, and the widths a step attends, round up to a multiple of this (few graphs)
 MAX_GRAPHS = 4   # captured shapes kept (each holds its KV cache: layers x 2 x rows x width x kv x head_dim)
 CHECK_EVERY = 8  # without stop strings, how many steps between the host's look at whether all rows ended
 
@@ -119,8 +122,9 @@ class _Fixed:
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
         self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
-        self.graph = None
-        self.logits: torch.Tensor | None = None  # the captured step's output, rewritten by each replay
+        # every step writes its logits here, eager or replayed, and the advance reads them here
+        self.logits = torch.zeros(rows, dec.head.shape[0], dtype=dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the step captured, per width it attends
         # what `StaticDecoder._advance` keeps on the device between steps: the step index, every
         # step's tokens and log-probs so far (a column a step), which rows have ended, and the
         # call's sampling settings as tensors (so one captured advance serves every call of its mode)
@@ -141,10 +145,13 @@ class StaticDecoder(FastDecoder):
     Python), so each step is captured once as a CUDA graph and replayed.
 
     - The batch runs as a power-of-two bucket of rows and the KV cache as a width rounded up to
-      `WIDTH_STEP`; each step attends over the whole width with a mask (no per-step slicing), writes
-      its keys and values at a cache column held in a tensor, and reads positions from a tensor:
-      nothing in a step depends on a Python number, so one captured graph serves every step and
-      every later call of the same shape.
+      `WIDTH_STEP`. A step writes its keys and values at a cache column held in a tensor, reads
+      positions from a tensor, and attends the cache's first columns, a multiple of `WIDTH_STEP`
+      wide that holds every column written so far, under a mask: nothing in a step depends on a
+      Python number but that width, so one graph a width (captured the first time a call reaches
+      it) serves every step of that width and every later call of the same shape. Attention reads
+      the whole attended width of the cache, so attending only what is filled (rounded up) reads
+      less of it than attending the whole cache would.
     - A prompt shared by a group's samples is prefilled once (eagerly: one call a batch), its cache
       rows copied to the samples.
     - Sampling, the sampler's log-probs, EOS, `min_new` and the step's bookkeeping (the token fed
@@ -172,8 +179,11 @@ class StaticDecoder(FastDecoder):
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
         self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
+        self.residual_in_product = True  # h + x W^T as one addmm (its epilogue adds h), not a product and an add
+        self.width_graphs = True  # a step attends the filled columns (rounded up), not the cache's whole width
         self.graph_advance = True  # sampling and the step's bookkeeping captured too (False: eagerly, for profiles)
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
+        self.fused_of: dict[int, tuple] = {}  # id(a _Layer) -> its layer's fused buffers (the prefill's lookup)
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
         self.pool = None
@@ -210,6 +220,7 @@ class StaticDecoder(FastDecoder):
             if bqkv is not None:
                 torch.cat([L.bq, L.bk, L.bv], out=bqkv)
             torch.cat([L.wg, L.wu], out=wgu)
+        self.fused_of = {id(L): fz for L, fz in zip(self.layers, self.fused)}
 
     def _weight_pointers(self) -> tuple[int, ...]:
         ts = [self.embed, self.head, self.norm[0], self.cos, self.sin]
@@ -222,35 +233,37 @@ class StaticDecoder(FastDecoder):
         return tuple(t.data_ptr() for t in ts)
 
     def _fixed(self, rows: int, width: int) -> _Fixed:
-        """The state of that shape, its step captured (CUDA graphs) the first time it is asked for."""
+        """The state of that shape (its steps are captured as they are first run: `_run`)."""
         key = (rows, width)
         st = self.shapes.pop(key, None)
         if st is None:
             if len(self.shapes) >= MAX_GRAPHS:
                 self.shapes.pop(next(iter(self.shapes)))  # the least recently used shape
             st = _Fixed(self, rows, width)
-            if self.use_graphs:
-                try:
-                    self._capture(st)
-                except RuntimeError as e:  # an op this torch cannot capture: the same step, eagerly
-                    log.warning("CUDA graph capture failed, decoding steps run eagerly from now on "
-                                "(%s=0 skips the attempt): %s", GRAPHS_ENV, e)
-                    self.use_graphs, st.graph = False, None
-                    torch.cuda.synchronize()
         self.shapes[key] = st
         return st
 
-    def _capture(self, st: _Fixed) -> None:
-        """Capture the step of st's shape. Under torch's deterministic mode the step is captured with
-        the mode off, which changes one op: the cache write keeps CUDA's plain index_copy_ kernel
-        (its deterministic form is an index_put_ that checks the indices on the host, a sync a graph
-        cannot hold; the eager step writes by a one-hot select instead, a pass over the whole cache a
-        layer). One column, one writer per element: the plain kernel stores the same values every
-        replay. The mode is restored before anything else runs (capture is synchronous, on this thread)."""
+    def _attended(self, st: _Fixed, col: int) -> int:
+        """How many cache columns the step that writes column `col` attends: the columns up to it,
+        rounded up to a multiple of WIDTH_STEP (no more than the cache has); the cache's whole
+        width where `width_graphs` is off."""
+        width = st.valid.shape[1]
+        return min(width, (col // WIDTH_STEP + 1) * WIDTH_STEP) if self.width_graphs else width
+
+    def _capture(self, st: _Fixed, width: int) -> None:
+        """Capture st's step at that attended width, in the middle of a call: the capture's warm-up
+        runs compute the step itself on st's state (the keys and values it writes at st's column and
+        the logits are what the replay then writes again; nothing else moves). Under torch's
+        deterministic mode the step is captured with the mode off, which changes one op: the cache
+        write keeps CUDA's plain index_copy_ kernel (its deterministic form is an index_put_ that
+        checks the indices on the host, a sync a graph cannot hold; the eager step writes by a one-hot
+        select instead, a pass over the attended cache a layer). One column, one writer per element:
+        the plain kernel stores the same values every replay. The mode is restored before anything
+        else runs (capture is synchronous, on this thread)."""
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()  # the shapes' graphs share one memory pool
+            self.pool = torch.cuda.graph_pool_handle()  # every graph shares one memory pool
         with one_writer_each():
-            st.graph, st.logits = _captured(lambda: self._step(st), self.pool)
+            st.graphs[width], _ = _captured(lambda: self._step(st, width), self.pool)
 
     def _advance(self, st: _Fixed, logits: torch.Tensor, mode: tuple) -> None:
         """Choose step st.t's token of every row from `logits` and move st to the next step, in
@@ -288,7 +301,7 @@ class StaticDecoder(FastDecoder):
         after the capture, so a run samples the same numbers whichever call captured (a resumed run
         captures at another round than the uninterrupted one). None: it runs eagerly (no graphs, or
         the capture failed)."""
-        if st.graph is None or not self.graph_advance:
+        if not self.use_graphs or not self.graph_advance:
             return None
         if mode not in st.advances:
             rng = torch.cuda.get_rng_state()
@@ -302,21 +315,32 @@ class StaticDecoder(FastDecoder):
                 torch.cuda.set_rng_state(rng)
         return st.advances[mode]
 
-    def _run(self, st: _Fixed) -> torch.Tensor:
-        if st.graph is None:
-            return self._step(st)
-        st.graph.replay()
+    def _run(self, st: _Fixed, width: int) -> torch.Tensor:
+        """st's step attending `width` columns, replayed (captured the first time) or eagerly; the
+        logits, in st.logits."""
+        if self.use_graphs and width not in st.graphs:
+            try:
+                self._capture(st, width)
+            except RuntimeError as e:  # an op this torch cannot capture: the same step, eagerly
+                log.warning("CUDA graph capture failed, decoding steps run eagerly from now on "
+                            "(%s=0 skips the attempt): %s", GRAPHS_ENV, e)
+                self.use_graphs = False
+                torch.cuda.synchronize()
+        if not self.use_graphs:
+            return self._step(st, width)
+        st.graphs[width].replay()
         return st.logits
 
-    def _step(self, st: _Fixed) -> torch.Tensor:
-        """Logits [rows, V] of the next token of every row: `st.tok` at position `st.pos`, its keys
-        and values written at cache column `st.col`, attending the columns `st.valid` marks."""
-        rows, width = st.valid.shape
+    def _step(self, st: _Fixed, width: int) -> torch.Tensor:
+        """Logits [rows, V] of the next token of every row, written into st.logits: `st.tok` at
+        position `st.pos`, its keys and values written at cache column `st.col`, attending the
+        first `width` columns where `st.valid` marks them."""
+        rows = st.valid.shape[0]
         h = F.embedding(st.tok, self.embed)[:, None]  # [rows, 1, H]
         cos, sin = self.cos[st.pos][:, None, None], self.sin[st.pos][:, None, None]  # [rows, 1, 1, hd]
         # additive, shared by every layer: 0 where a key is visible, -inf where not
         mask = torch.zeros((rows, self.heads, width), dtype=h.dtype, device=h.device).masked_fill_(
-            ~st.valid[:, None], float("-inf")).view(rows * self.kv_heads, self.groups, width)
+            ~st.valid[:, None, :width], float("-inf")).view(rows * self.kv_heads, self.groups, width)
         # Under torch's deterministic mode, CUDA's index_copy_ becomes an index_put_ that checks its
         # indices' range on the host (a sync each layer); eagerly, a one-hot select of the column
         # writes the same values with an elementwise op (one more pass over the cache). `_capture`
@@ -324,8 +348,11 @@ class StaticDecoder(FastDecoder):
         sel = (torch.arange(width, device=h.device) == st.col) if self._masked_writes(h.device) else None
         fused = self.fused if self.fuse else [None] * len(self.layers)
         for L, (kc, vc), fz in zip(self.layers, st.caches, fused):
-            h = self._fixed_block(L, h, cos, sin, kc, vc, st.col, mask, sel, fz)
-        return _linear(_fast_rms(h[:, -1], *self.norm), self.head, self.head_bias, False)
+            h = self._fixed_block(L, h, cos, sin, kc[..., :width], vc[:, :, :width], st.col, mask, sel, fz)
+        x = _fast_rms(h[:, -1], *self.norm)  # F.linear's own products, written where the advance reads
+        if self.head_bias is None:
+            return torch.mm(x, self.head.t(), out=st.logits)
+        return torch.addmm(self.head_bias, x, self.head.t(), out=st.logits)
 
     def _masked_writes(self, device: torch.device) -> bool:
         if self.masked_writes is not None:
@@ -337,8 +364,9 @@ class StaticDecoder(FastDecoder):
                      sel: torch.Tensor | None = None, fused=None) -> torch.Tensor:
         """One layer of a decoding step at fixed shapes: `_block`'s arithmetic for one new position,
         its keys and values written at the cache column `col` holds (or `sel`, that column's one-hot
-        over the width, marks), attending the cache's whole width; `fused` (`_refresh_fused`'s
-        buffers of this layer) makes q, k, v one product and gate, up another."""
+        over the width, marks), attending every column of kc and vc (views of the caches' first
+        columns); `fused` (`_refresh_fused`'s buffers of this layer) makes q, k, v one product and
+        gate, up another."""
         B = h.shape[0]
         nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
         q, k, v = self._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
@@ -354,10 +382,34 @@ class StaticDecoder(FastDecoder):
         o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
         o = o.view(B, 1, self.heads * hd)
         if fused is None:
-            return self._out_mlp(L, h, o)
-        h = h + F.linear(o, L.wo, L.bo)
+            return super()._out_mlp(L, h, o)
+        return self._out_mlp_fused(L, h, o, fused)
+
+    def _plus_product(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """h + F.linear(x, w, b), the residual added by the product's own epilogue (addmm: one kernel
+        where a product and an add are two) where `residual_in_product` is on and there is no bias.
+        In float32 the epilogue's sum is the add's (one rounding of the same two floats); in bf16 it
+        rounds once where the two ops round twice."""
+        if not self.residual_in_product or b is not None:
+            return h + F.linear(x, w, b)
+        return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
+
+    def _out_mlp_fused(self, L: _Layer, h: torch.Tensor, o: torch.Tensor, fused) -> torch.Tensor:
+        """`_out_mlp` with gate and up as one product (`_refresh_fused`) and the residuals added in
+        the products (`_plus_product`)."""
+        h = self._plus_product(h, o, L.wo, L.bo)
         gate, up = F.linear(_fast_rms(h, *L.ln2), fused[2]).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, L.wd)
+        return self._plus_product(h, F.silu(gate) * up, L.wd, None)
+
+    # the prefill (FastDecoder._forward, eager: one call a batch) through the fused products too
+    def _qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fused = self.fused_of.get(id(L)) if self.fuse else None
+        return super()._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
+
+    def _out_mlp(self, L: _Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        fused = self.fused_of.get(id(L)) if self.fuse else None
+        return super()._out_mlp(L, h, o) if fused is None else self._out_mlp_fused(L, h, o, fused)
 
     def _qkv_fused(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -444,7 +496,7 @@ class StaticDecoder(FastDecoder):
             if all(stopped) if stop is not None else (t + 1) % CHECK_EVERY == 0 and bool(st.ended[:B].all()):
                 steps = t + 1
                 break
-            logits = self._run(st)
+            logits = self._run(st, self._attended(st, width + t))  # this step writes column width + t
         toks = st.out_tok[:B, :steps].tolist()
         got = st.out_lp[:B, :steps].tolist() if logprobs else None
         for r in range(B):
