@@ -146,11 +146,11 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
     new tokens, T = 1, no EOS before the end: a decode's time does not depend on the weights'
     values, so no model file is needed), fp32 and bf16, alternating the variants `rounds` times in
     one process: tokens/s of a `decode` call (`calls` timed after one that captures). The changes:
-    attending only the filled columns rounded up (`width_graphs`), the residual added by the
-    product's epilogue (`residual_in_product`), bf16's norm in two kernels (`_fast_rms`; four
-    before), the prefill through the fused products, and the host's look every CHECK_EVERY steps
-    (`no look`: never). Then where a call's time goes: its fixed part (a call of one new token) and
-    the prefill alone, with the device synchronised around each. `small`: 2 layers, 4 x 2 rows, 16
+    attending only the filled columns rounded up (`width_graphs`), bf16's norm in two kernels
+    (`_fast_rms`; four before), the prefill captured (`graph_prefill`; before, it ran eagerly
+    through separate products), and the host's look every CHECK_EVERY steps (`no look`: never).
+    Then where a call's time goes: its fixed part (a call of one new token) and the prefill alone,
+    with the device synchronised around each. `small`: 2 layers, 4 x 2 rows, 16
     new tokens (the CPU suite's check that it runs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -166,20 +166,19 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
             return fast_rms(x, weight, eps)
         return weight * torch.nn.functional.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
-    class EagerPrefill(C.StaticDecoder):  # the prefill through FastDecoder's separate products
+    class UnfusedPrefill(C.StaticDecoder):  # the prefill through FastDecoder's separate products
         _qkv = FastDecoder._qkv
         _out_mlp = FastDecoder._out_mlp
 
     def make(name: str, model) -> C.StaticDecoder:
-        dec = (EagerPrefill if name in ("before", "prefill unfused") else C.StaticDecoder)(model, graphs=device == "cuda")
+        dec = (UnfusedPrefill if name == "before" else C.StaticDecoder)(model, graphs=device == "cuda")
         if name in ("before", "whole width"):
             dec.width_graphs = False
-        if name in ("before", "separate adds"):
-            dec.residual_in_product = False
+        if name in ("before", "prefill eager"):
+            dec.graph_prefill = False
         return dec
 
-    variants = ["as shipped", "before", "whole width", "separate adds", "four-kernel norm", "prefill unfused",
-                "no look"]
+    variants = ["as shipped", "before", "whole width", "four-kernel norm", "prefill eager", "no look"]
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                       tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
@@ -216,7 +215,7 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
         for name in ("as shipped", "before"):  # a call's fixed part, and the prefill within it
             fixed = statistics.median([call(name, 1)[0] for _ in range(3)])
             dec, spent = decs[name], []
-            forward = dec._forward
+            forward = dec._run_prefill
 
             def timed_forward(*a, _f=forward, **k):
                 torch.cuda.synchronize() if device == "cuda" else None
@@ -226,9 +225,9 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
                 spent.append(time.perf_counter() - t0)
                 return r
 
-            dec._forward = timed_forward
+            dec._run_prefill = timed_forward
             call(name)
-            del dec._forward
+            del dec._run_prefill
             rows[name].update(fixed_seconds=fixed, prefill_seconds=spent[0],
                               step_ms=1e3 * (rows[name]["call_seconds"] - fixed) / (new - 1))
         st = next(iter(decs["as shipped"].shapes.values()))
@@ -473,7 +472,7 @@ def main() -> None:
         res["update"]["bf16 ZeRO-0, not deterministic"] = _in_own_process("update_profile_nondeterministic", "bf16")
         path.write_text(json.dumps(res, indent=1))
     if "variants" in which:
-        res["variants"] = decode_variants("cuda" if torch.cuda.is_available() else "cpu")
+        res["variants"] = decode_variants("cuda" if torch.cuda.is_available() else "cpu", rounds=2, calls=2)
         path.write_text(json.dumps(res, indent=1))
     if "ops" in which:
         res["ops"] = {precision: _in_own_process("update_operators", precision) for precision in ("bf16", "fp32")}

@@ -2,8 +2,8 @@
 where each decoding step is captured once as a CUDA graph and replayed.
 
 On CPU its step runs eagerly: the same arithmetic at the same shapes (a power-of-two bucket of
-rows with filler rows, the cache's whole width under a mask, the cache column and positions read
-from tensors), checked here against HF `generate` and the trainer's forward, in fp32, on the tiny
+rows with filler rows, the cache's filled columns rounded up under a mask, the cache column and
+positions read from tensors, the prefill in buckets of prompts and widths), checked here against HF `generate` and the trainer's forward, in fp32, on the tiny
 models and on SmolLM2-135M's real weights. What only CUDA has (capture, replay, noticing weights
 that moved) is tested where CUDA exists and skipped with a message where it does not: this
 machine's suite cannot check it."""
@@ -17,7 +17,7 @@ from tests.bench_ref import problems
 from tests.test_fastgen import _hf_greedy, _model, _prompts, char_tok  # noqa: F401 (a fixture)
 from trainer.chat import encode_prompt
 from trainer.inference.cpu import FastDecoder
-from trainer.inference.cuda import WIDTH_STEP, StaticDecoder, _Fixed, bucket
+from trainer.inference.cuda import PREFILL_STEP, WIDTH_STEP, StaticDecoder, _Fixed, bucket
 from trainer.inference.generate import StopStrings, decoder_for, generate
 from trainer.rl.logprobs import token_logprobs
 from trainer.rl.trajectory import Sample, pack
@@ -206,6 +206,33 @@ def test_steps_attend_the_filled_columns_and_decode_as_the_whole_width_does(char
     assert n > 100 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
 
 
+def test_the_prefill_runs_in_buckets_and_the_cache_keeps_the_prompts_width(char_tok):
+    """A group's prompt is prefilled once, in a bucket of distinct prompts (a power of two, filler
+    prompts beside them) and at a width rounded up to PREFILL_STEP by more left padding (one graph a
+    prefill shape on CUDA); the cache and the steps keep the prompts' own width. The same tokens as
+    HF generate, log-probs the trainer's, for groups of samples and for prompts that nearly fill the
+    model's context (the rounded width capped at it)."""
+    model = _model("llama", char_tok)
+    eos, pad = char_tok.eos_token_id, char_tok.pad_token_id
+    groups = _prompts(char_tok, 5)
+    prompts = [p for p in groups for _ in range(3)]  # 5 distinct prompts: a bucket of 8
+    dec = StaticDecoder(model, graphs=False)
+    widths, step = [], dec._step
+    dec._step = lambda st, w, _step=step: widths.append(w) or _step(st, w)
+    toks, lps = dec.decode(prompts, 20, eos, pad)
+    width = max(len(p) for p in prompts)
+    assert list(dec.prefills) == [(8, PREFILL_STEP)] and width < PREFILL_STEP
+    assert widths[0] == WIDTH_STEP and list(dec.shapes) == [(16, WIDTH_STEP)]  # the prompts' width, not 64
+    assert toks == _hf_greedy(model, char_tok, prompts, 20)
+    gap, mean, n = _trainer_gap(model, char_tok, prompts, toks, lps, 1.0)
+    assert n > 40 and gap < MAX_GAP and mean < MEAN_GAP, (gap, mean)
+    context = model.config.max_position_embeddings
+    long = [(p * 20)[: context - 3 - i] for i, p in enumerate(groups[:3])]  # 125, 124, 123 tokens
+    toks, lps = dec.decode(long, 8, eos, pad)
+    assert (4, context) in dec.prefills
+    assert toks == [t[:3] for t in _hf_greedy(model, char_tok, long, 3)] and all(len(t) <= 3 for t in toks)
+
+
 @pytest.mark.parametrize("decoder", ["fixed", "cpu"])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_a_steps_draws_follow_the_kept_head_of_the_distribution(char_tok, top_p, decoder):
@@ -263,6 +290,7 @@ def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(char_tok, dtype)
     first = dec.decode(prompts, 40, eos, pad)
     (st,) = dec.shapes.values()
     assert st.graphs and set(st.graphs) <= {64, 128}  # a graph a width the steps attended
+    assert [pf.graph is not None for pf in dec.prefills.values()] == [True] and dec.graph_prefill
     again = dec.decode(prompts, 40, eos, pad)  # the captured graph, replayed
     for got in (first, again):  # the same kernels at the same shapes: the same tokens, log-probs to rounding
         assert got[0] == eager[0]
@@ -311,6 +339,8 @@ def test_graphs_capture_under_deterministic_mode(char_tok, monkeypatch):
         got = [dec.decode(prompts, 24, eos, pad) for _ in range(2)]
         (st,) = dec.shapes.values()
         assert st.graphs and dec.use_graphs
+        # the prefill captured under the mode itself (it has no op whose deterministic form syncs)
+        assert dec.graph_prefill and all(pf.graph is not None for pf in dec.prefills.values())
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(was)

@@ -72,10 +72,11 @@ def unsupported(model: torch.nn.Module, adapters: bool = False, devices: tuple[s
     return None
 
 
-def left_pad(seqs: list[list[int]] | list[tuple[int, ...]], pad: int, room: int = 0,
+def left_pad(seqs: list[list[int]] | list[tuple[int, ...]], pad: int, room: int = 0, width: int = 0,
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids right-aligned in a [n, width] tensor, and their [n, width + room] 0/1 mask."""
-    width = max(len(q) for q in seqs)
+    """Token ids right-aligned in a [n, width] tensor (the longest's width, or `width` if wider), and
+    their [n, width + room] 0/1 mask."""
+    width = max(width, max(len(q) for q in seqs))
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width + room), dtype=torch.long)
     for r, q in enumerate(seqs):

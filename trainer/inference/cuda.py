@@ -99,6 +99,8 @@ def fuse_norms(model: torch.nn.Module) -> int:
 GRAPHS_ENV = "POSTTRAIN_CUDA_GRAPHS"  # "0": the fixed-shape decoder runs its step eagerly on CUDA too
 WIDTH_STEP = 64  # cache widths, and the widths a step attends, round up to a multiple of this (few graphs)
 MAX_GRAPHS = 4   # captured shapes kept (each holds its KV cache: layers x 2 x rows x width x kv x head_dim)
+PREFILL_STEP = 64  # a prefill's width rounds up to a multiple of this (more left padding): few prefill graphs
+MAX_PREFILLS = 4  # prefill shapes kept, each with its graph and its keys and values (layers x rows x width)
 CHECK_EVERY = 8  # without stop strings, how many steps between the host's look at whether all rows ended
 
 
@@ -115,9 +117,12 @@ class _Fixed:
 
     def __init__(self, dec: "StaticDecoder", rows: int, width: int) -> None:
         dev, dtype = dec.embed.device, dec.embed.dtype
-        self.caches = [(torch.zeros(rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev),
-                        torch.zeros(rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev))
-                       for _ in dec.layers]
+        # every layer's keys [rows, kv, hd, width] and values [rows, kv, width, hd] in one tensor each,
+        # so that a prefill's are copied in by one op (`StaticDecoder.decode`)
+        n = len(dec.layers)
+        self.keys = torch.zeros(n, rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev)
+        self.values = torch.zeros(n, rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev)
+        self.caches = [(self.keys[i], self.values[i]) for i in range(n)]
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
@@ -139,6 +144,24 @@ class _Fixed:
         self.advances: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # per sampling mode; None: eager
 
 
+class _Prefill:
+    """One prefill shape's tensors, in place across calls (a captured prefill reads and writes
+    these): the distinct prompts' ids, positions and which columns hold tokens; each prompt's
+    last-position logits, and every layer's keys [layers, rows, kv, hd, width] and values
+    [layers, rows, kv, width, hd]."""
+
+    def __init__(self, dec: "StaticDecoder", rows: int, width: int) -> None:
+        dev, dtype = dec.embed.device, dec.embed.dtype
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
+        self.logits = torch.zeros(rows, dec.head.shape[0], dtype=dtype, device=dev)
+        n = len(dec.layers)
+        self.keys = torch.zeros(n, rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev)
+        self.values = torch.zeros(n, rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
 class StaticDecoder(FastDecoder):
     """The decoder at fixed shapes, for GPUs: a decoding step is launch-bound there (a 135M model
     reads its weights in about 0.1 ms; its few hundred small kernels take milliseconds to launch from
@@ -152,8 +175,10 @@ class StaticDecoder(FastDecoder):
       it) serves every step of that width and every later call of the same shape. Attention reads
       the whole attended width of the cache, so attending only what is filled (rounded up) reads
       less of it than attending the whole cache would.
-    - A prompt shared by a group's samples is prefilled once (eagerly: one call a batch), its cache
-      rows copied to the samples.
+    - A prompt shared by a group's samples is prefilled once, and its cache rows copied to the
+      samples. The prefill is captured too, a graph per prefill shape (the distinct prompts a
+      power-of-two bucket, the width rounded up to `PREFILL_STEP` by more left padding): run
+      eagerly it is a few thousand operators, tens of milliseconds of the host's time a call.
     - Sampling, the sampler's log-probs, EOS, `min_new` and the step's bookkeeping (the token fed
       back, the cache column, positions, the columns each row sees) are a second captured graph per
       sampling mode (`_advance`), replayed after each step: between two replays the host issues
@@ -179,9 +204,10 @@ class StaticDecoder(FastDecoder):
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.masked_writes: bool | None = None  # None: one-hot column writes on CUDA under deterministic mode
         self.fuse = True  # q, k, v as one product and gate, up as one, from weights copied at each call
-        self.residual_in_product = True  # h + x W^T as one addmm (its epilogue adds h), not a product and an add
         self.width_graphs = True  # a step attends the filled columns (rounded up), not the cache's whole width
         self.graph_advance = True  # sampling and the step's bookkeeping captured too (False: eagerly, for profiles)
+        self.graph_prefill = True  # the prefill captured too (False: eagerly, for profiles)
+        self.prefills: dict[tuple[int, int], _Prefill] = {}  # in order of last use
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
         self.fused_of: dict[int, tuple] = {}  # id(a _Layer) -> its layer's fused buffers (the prefill's lookup)
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
@@ -242,6 +268,59 @@ class StaticDecoder(FastDecoder):
             st = _Fixed(self, rows, width)
         self.shapes[key] = st
         return st
+
+    def _prefill_state(self, rows: int, width: int) -> _Prefill:
+        key = (rows, width)
+        pf = self.prefills.pop(key, None)
+        if pf is None:
+            if len(self.prefills) >= MAX_PREFILLS:
+                self.prefills.pop(next(iter(self.prefills)))  # the least recently used
+            pf = _Prefill(self, rows, width)
+        self.prefills[key] = pf
+        return pf
+
+    def _prefill(self, pf: _Prefill) -> None:
+        """pf's prompts through the model (`FastDecoder._forward`'s arithmetic, the q, k, v and the
+        gate, up products fused): every layer's keys and values into pf.keys and pf.values, the last
+        position's logits into pf.logits. A padding column attends itself alone (no row of -inf)."""
+        R, W = pf.ids.shape
+        nh, nkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.groups
+        h = F.embedding(pf.ids, self.embed)
+        cos, sin = self.cos[pf.positions].unsqueeze(2), self.sin[pf.positions].unsqueeze(2)  # [R, W, 1, hd]
+        causal = torch.ones(W, W, dtype=torch.bool, device=h.device).tril()
+        mask = (causal & pf.valid[:, None]) | torch.eye(W, dtype=torch.bool, device=h.device)  # [R, W, W]
+        mask = mask[:, None] if g == 1 else mask.repeat(1, g, 1)[:, None]  # [R, 1, g W, W]: a KV head's queries
+        for i, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, h, cos, sin)
+            pf.keys[i].copy_(k.permute(0, 2, 3, 1))
+            pf.values[i].copy_(v.transpose(1, 2))
+            qg = q.view(R, W, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, g * W, hd)
+            o = F.scaled_dot_product_attention(qg, pf.keys[i].transpose(2, 3), pf.values[i], attn_mask=mask,
+                                               scale=self.scaling)
+            h = self._out_mlp(L, h, o.view(R, nkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(R, W, nh * hd))
+        x = _fast_rms(h[:, -1], *self.norm)
+        if self.head_bias is None:
+            torch.mm(x, self.head.t(), out=pf.logits)
+        else:
+            torch.addmm(self.head_bias, x, self.head.t(), out=pf.logits)
+
+    def _run_prefill(self, pf: _Prefill) -> None:
+        """`_prefill`, replayed (captured the first time: its warm-up runs are the prefill itself,
+        on the inputs already in place) or eagerly. Captured under the run's own deterministic
+        mode: the prefill has no op whose deterministic form syncs with the host."""
+        if self.use_graphs and self.graph_prefill and pf.graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            try:
+                pf.graph, _ = _captured(lambda: self._prefill(pf), self.pool)
+            except RuntimeError as e:  # an op this torch cannot capture here: the prefill runs eagerly
+                log.warning("CUDA graph capture of the prefill failed, it runs eagerly: %s", e)
+                torch.cuda.synchronize()
+                self.graph_prefill = False
+        if pf.graph is not None and self.use_graphs and self.graph_prefill:
+            pf.graph.replay()
+        else:
+            self._prefill(pf)
 
     def _attended(self, st: _Fixed, col: int) -> int:
         """How many cache columns the step that writes column `col` attends: the columns up to it,
@@ -385,23 +464,13 @@ class StaticDecoder(FastDecoder):
             return super()._out_mlp(L, h, o)
         return self._out_mlp_fused(L, h, o, fused)
 
-    def _plus_product(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """h + F.linear(x, w, b), the residual added by the product's own epilogue (addmm: one kernel
-        where a product and an add are two) where `residual_in_product` is on and there is no bias.
-        In float32 the epilogue's sum is the add's (one rounding of the same two floats); in bf16 it
-        rounds once where the two ops round twice."""
-        if not self.residual_in_product or b is not None:
-            return h + F.linear(x, w, b)
-        return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
-
     def _out_mlp_fused(self, L: _Layer, h: torch.Tensor, o: torch.Tensor, fused) -> torch.Tensor:
-        """`_out_mlp` with gate and up as one product (`_refresh_fused`) and the residuals added in
-        the products (`_plus_product`)."""
-        h = self._plus_product(h, o, L.wo, L.bo)
+        """`_out_mlp` with gate and up as one product (`_refresh_fused`)."""
+        h = h + F.linear(o, L.wo, L.bo)
         gate, up = F.linear(_fast_rms(h, *L.ln2), fused[2]).chunk(2, dim=-1)
-        return self._plus_product(h, F.silu(gate) * up, L.wd, None)
+        return h + F.linear(F.silu(gate) * up, L.wd)
 
-    # the prefill (FastDecoder._forward, eager: one call a batch) through the fused products too
+    # the prefill's layers (`_prefill`) through the fused products too
     def _qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fused = self.fused_of.get(id(L)) if self.fuse else None
@@ -439,6 +508,7 @@ class StaticDecoder(FastDecoder):
             pointers = self._weight_pointers()
             if pointers != self.weights_at_capture:
                 self.shapes.clear()  # captured against weights that moved: capture again
+                self.prefills.clear()
                 self.weights_at_capture = pointers
         B = len(prompts)
         out_tok: list[list[int]] = [[] for _ in range(B)]
@@ -452,21 +522,24 @@ class StaticDecoder(FastDecoder):
         cols = min(-(-(width + max_new) // WIDTH_STEP) * WIDTH_STEP, self.max_positions)
         st = self._fixed(rows_n, cols)
         padded = list(prompts) + [prompts[0]] * (rows_n - B)  # filler rows share row 0's prefill
-        ids, valid = left_pad(padded, pad, room=cols - width)
-        ids, valid = ids.to(dev), valid.bool().to(dev)
-        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        # the prefill's width rounds up (more left padding, never attended); the cache keeps the
+        # prompts' own width, so the steps attend no more columns for it
+        wide = min(-(-width // PREFILL_STEP) * PREFILL_STEP, self.max_positions)
+        ids, valid = left_pad(padded, pad, width=wide)
+        positions = (valid.cumsum(-1) - 1).clamp(min=0)
         rows, inverse = distinct(padded)
+        pf = self._prefill_state(bucket(len(rows)), wide)
+        rows += [rows[0]] * (pf.ids.shape[0] - len(rows))  # filler prompts, their results unused
+        pf.ids.copy_(ids[rows])
+        pf.positions.copy_(positions[rows])
+        pf.valid.copy_(valid[rows].bool())
+        self._run_prefill(pf)
         inverse = inverse.to(dev)
-        caches = [(torch.zeros(len(rows), self.kv_heads, self.head_dim, width, dtype=self.embed.dtype, device=dev),
-                   torch.zeros(len(rows), self.kv_heads, width, self.head_dim, dtype=self.embed.dtype, device=dev))
-                  for _ in self.layers]
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-        mask = (causal & valid[rows, None, :width]) | torch.eye(width, dtype=torch.bool, device=dev)
-        logits = self._forward(ids[rows], positions[rows], caches, 0, mask[:, None])[inverse]
-        for (kc, vc), (ku, vu) in zip(st.caches, caches):
-            kc[..., :width].copy_(ku[inverse])
-            vc[:, :, :width].copy_(vu[inverse])
-        del caches
+        logits = pf.logits[inverse]
+        cut = wide - width  # each row's prompt's keys and values, every layer's, without the extra padding
+        st.keys[..., :width].copy_(pf.keys[:, inverse, ..., cut:])
+        st.values[:, :, :, :width].copy_(pf.values[:, inverse, :, cut:])
+        valid = torch.cat([valid[:, cut:], torch.zeros(rows_n, cols - width, dtype=valid.dtype)], 1).bool().to(dev)
         mode = (temperature <= 0, temperature > 0 and top_p < 1.0, logprobs, eos, min_new > 0)
         advance = self._advancer(st, mode)  # before the state is set: a capture's warm-up writes it
         st.valid.copy_(valid)
