@@ -46,14 +46,15 @@ def _captured(run: Callable[[], torch.Tensor | None], pool) -> tuple[torch.cuda.
 
 def _fast_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`_rms` in fewer kernels for the GPU (the decoding step; the update's norms, `fuse_norms`):
-    torch's fused RMSNorm on the float32 values, then the cast back and the weight (HF's order of
-    casts; the sum of squares in the fused kernel's own order, which may differ from `pow().mean()`
-    in the last bit of float32)."""
+    torch's fused RMSNorm, then the weight (HF's order of casts and roundings; the sum of squares in
+    the fused kernel's own order, which may differ from `pow().mean()` in the last bit of float32).
+    One kernel each way in float32, two in bf16 (the weight's product apart)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return _rms(x, weight, eps)  # one fused kernel already
     # rms_norm computes in float32 whatever its input (CUDA's kernel and the CPU's operators alike)
     # and rounds once to the input's dtype: HF's x.float(), its product by rsqrt and the cast back in
-    # one kernel, where casting first and last would be two more
+    # one kernel, where casting first and last would be two more (the same bits, forward and
+    # backward: tests/test_fused_norms.py, on an H200 too)
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
@@ -78,7 +79,7 @@ def fuse_norms(model: torch.nn.Module) -> int:
     That norm is eight operators forward in bf16 (two casts, pow, mean, add, rsqrt, two products) and
     about ten backward; on a GPU the update is bound by the host issuing operators, and a 30-layer
     model has 61 norms. The fused one is the GPU decoder's own (`_fast_rms`): one operator each way
-    in float32, four forward in bf16 (the casts and the weight's product in transformers' order).
+    in float32, two forward in bf16 (the weight's product apart, in transformers' order).
     The sum of squares is the fused kernel's, which may differ from pow().mean() in the last bit.
     Weights, state dict and saved folders do not change; copies (copy.deepcopy) keep the fused
     forward, bound to the copy."""
