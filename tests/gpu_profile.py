@@ -150,8 +150,8 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
     (`_fast_rms`; four before), the prefill captured (`graph_prefill`; before, it ran eagerly
     through separate products), and the host's look every CHECK_EVERY steps (`no look`: never).
     Then where a call's time goes: its fixed part (a call of one new token) and the prefill alone,
-    with the device synchronised around each. `small`: 2 layers, 4 x 2 rows, 16
-    new tokens (the CPU suite's check that it runs)."""
+    with the device synchronised around each. `small`: 2 layers, 4 x 2 rows, 16 new tokens (the CPU
+    suite runs it so, eagerly: tests/test_fixed_decoder.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.engine import deterministic

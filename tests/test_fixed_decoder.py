@@ -278,6 +278,22 @@ def test_on_cpu_generation_keeps_the_compiled_decoder(char_tok):
     assert type(decoder_for(_model("llama", char_tok))) is FastDecoder
 
 
+def test_the_gpu_profiles_variants_run_on_a_small_shape():
+    """`python -m tests.gpu_profile variants` is run where a GPU is lent, minutes at a time: its
+    code (each change undone through the decoder's switches, the timed prefill) runs here first,
+    eagerly on the CPU at a small shape, in a process of its own (it turns the deterministic mode on)."""
+    import subprocess
+    import sys
+
+    code = ("from tests import gpu_profile as P; r = P.decode_variants('cpu', rounds=1, calls=1, small=True); "
+            "print('ROWS', sorted((k, len(v)) for k, v in r.items()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ROWS [('bf16', 6), ('fp32', 6)]" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("variants ")]
+    assert len(lines) == 12 and all("prefill_seconds" in line for line in lines if "as shipped" in line)
+
+
 # ---------------------------------------------------------------- CUDA only
 
 @cuda
