@@ -156,7 +156,6 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
 
     from trainer.engine import deterministic
     from trainer.inference import cuda as C
-    from trainer.inference.cpu import FastDecoder
 
     deterministic()
     fast_rms = C._fast_rms
@@ -166,9 +165,13 @@ def decode_variants(device: str = "cuda", rounds: int = 2, calls: int = 3, small
             return fast_rms(x, weight, eps)
         return weight * torch.nn.functional.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
-    class UnfusedPrefill(C.StaticDecoder):  # the prefill through FastDecoder's separate products
-        _qkv = FastDecoder._qkv
-        _out_mlp = FastDecoder._out_mlp
+    class UnfusedPrefill(C.StaticDecoder):  # the prefill through separate products (the steps' stay fused)
+        def _prefill(self, pf):
+            self.fuse = False
+            try:
+                super()._prefill(pf)
+            finally:
+                self.fuse = True
 
     def make(name: str, model) -> C.StaticDecoder:
         dec = (UnfusedPrefill if name == "before" else C.StaticDecoder)(model, graphs=device == "cuda")

@@ -111,6 +111,26 @@ def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _kv(dec: "StaticDecoder", rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's keys [layers, rows, kv, hd, width] and values [layers, rows, kv, width, hd],
+    zeroed, in one tensor each."""
+    dev, dtype, n = dec.embed.device, dec.embed.dtype, len(dec.layers)
+    return (torch.zeros(n, rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev),
+            torch.zeros(n, rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev))
+
+
+def _lru(store: dict, key, limit: int, make: Callable[[], object]):
+    """store[key], made if missing (the least recently used entry dropped beyond `limit`), moved to
+    the end: a dict kept in order of last use."""
+    value = store.pop(key, None)
+    if value is None:
+        if len(store) >= limit:
+            store.pop(next(iter(store)))
+        value = make()
+    store[key] = value
+    return value
+
+
 class _Fixed:
     """One shape's decoding state, in place across steps (a captured graph reads these tensors):
     the KV caches, each row's last token and its position, the cache column the step writes, and
@@ -118,12 +138,10 @@ class _Fixed:
 
     def __init__(self, dec: "StaticDecoder", rows: int, width: int) -> None:
         dev, dtype = dec.embed.device, dec.embed.dtype
-        # every layer's keys [rows, kv, hd, width] and values [rows, kv, width, hd] in one tensor each,
-        # so that a prefill's are copied in by one op (`StaticDecoder.decode`)
-        n = len(dec.layers)
-        self.keys = torch.zeros(n, rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev)
-        self.values = torch.zeros(n, rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev)
-        self.caches = [(self.keys[i], self.values[i]) for i in range(n)]
+        # every layer's keys and values in one tensor each, so that a prefill's are copied in by one
+        # op (`StaticDecoder.decode`); a layer's are views of them
+        self.keys, self.values = _kv(dec, rows, width)
+        self.caches = list(zip(self.keys, self.values))
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
@@ -157,9 +175,7 @@ class _Prefill:
         self.positions = torch.zeros(rows, width, dtype=torch.long, device=dev)
         self.valid = torch.zeros(rows, width, dtype=torch.bool, device=dev)
         self.logits = torch.zeros(rows, dec.head.shape[0], dtype=dtype, device=dev)
-        n = len(dec.layers)
-        self.keys = torch.zeros(n, rows, dec.kv_heads, dec.head_dim, width, dtype=dtype, device=dev)
-        self.values = torch.zeros(n, rows, dec.kv_heads, width, dec.head_dim, dtype=dtype, device=dev)
+        self.keys, self.values = _kv(dec, rows, width)
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -210,7 +226,6 @@ class StaticDecoder(FastDecoder):
         self.graph_prefill = True  # the prefill captured too (False: eagerly, for profiles)
         self.prefills: dict[tuple[int, int], _Prefill] = {}  # in order of last use
         self.fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # per layer: wqkv, bqkv, wgu
-        self.fused_of: dict[int, tuple] = {}  # id(a _Layer) -> its layer's fused buffers (the prefill's lookup)
         self.shapes: dict[tuple[int, int], _Fixed] = {}  # in order of last use
         self.weights_at_capture: tuple[int, ...] = ()
         self.pool = None
@@ -247,7 +262,6 @@ class StaticDecoder(FastDecoder):
             if bqkv is not None:
                 torch.cat([L.bq, L.bk, L.bv], out=bqkv)
             torch.cat([L.wg, L.wu], out=wgu)
-        self.fused_of = {id(L): fz for L, fz in zip(self.layers, self.fused)}
 
     def _weight_pointers(self) -> tuple[int, ...]:
         ts = [self.embed, self.head, self.norm[0], self.cos, self.sin]
@@ -261,24 +275,7 @@ class StaticDecoder(FastDecoder):
 
     def _fixed(self, rows: int, width: int) -> _Fixed:
         """The state of that shape (its steps are captured as they are first run: `_run`)."""
-        key = (rows, width)
-        st = self.shapes.pop(key, None)
-        if st is None:
-            if len(self.shapes) >= MAX_GRAPHS:
-                self.shapes.pop(next(iter(self.shapes)))  # the least recently used shape
-            st = _Fixed(self, rows, width)
-        self.shapes[key] = st
-        return st
-
-    def _prefill_state(self, rows: int, width: int) -> _Prefill:
-        key = (rows, width)
-        pf = self.prefills.pop(key, None)
-        if pf is None:
-            if len(self.prefills) >= MAX_PREFILLS:
-                self.prefills.pop(next(iter(self.prefills)))  # the least recently used
-            pf = _Prefill(self, rows, width)
-        self.prefills[key] = pf
-        return pf
+        return _lru(self.shapes, (rows, width), MAX_GRAPHS, lambda: _Fixed(self, rows, width))
 
     def _prefill(self, pf: _Prefill) -> None:
         """pf's prompts through the model (`FastDecoder._forward`'s arithmetic, the q, k, v and the
@@ -291,37 +288,45 @@ class StaticDecoder(FastDecoder):
         causal = torch.ones(W, W, dtype=torch.bool, device=h.device).tril()
         mask = (causal & pf.valid[:, None]) | torch.eye(W, dtype=torch.bool, device=h.device)  # [R, W, W]
         mask = mask[:, None] if g == 1 else mask.repeat(1, g, 1)[:, None]  # [R, 1, g W, W]: a KV head's queries
-        for i, L in enumerate(self.layers):
-            q, k, v = self._qkv(L, h, cos, sin)
+        fused = self.fused if self.fuse else [None] * len(self.layers)
+        for i, (L, fz) in enumerate(zip(self.layers, fused)):
+            q, k, v = self._layer_qkv(L, h, cos, sin, fz)
             pf.keys[i].copy_(k.permute(0, 2, 3, 1))
             pf.values[i].copy_(v.transpose(1, 2))
             qg = q.view(R, W, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, g * W, hd)
             o = F.scaled_dot_product_attention(qg, pf.keys[i].transpose(2, 3), pf.values[i], attn_mask=mask,
                                                scale=self.scaling)
-            h = self._out_mlp(L, h, o.view(R, nkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(R, W, nh * hd))
-        x = _fast_rms(h[:, -1], *self.norm)
+            h = self._layer_out(L, h, o.view(R, nkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(R, W, nh * hd), fz)
+        self._head_into(h[:, -1], pf.logits)
+
+    def _head_into(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The logits of hidden states h [rows, H], written into `out` (F.linear's own products)."""
+        x = _fast_rms(h, *self.norm)
         if self.head_bias is None:
-            torch.mm(x, self.head.t(), out=pf.logits)
-        else:
-            torch.addmm(self.head_bias, x, self.head.t(), out=pf.logits)
+            return torch.mm(x, self.head.t(), out=out)
+        return torch.addmm(self.head_bias, x, self.head.t(), out=out)
 
     def _run_prefill(self, pf: _Prefill) -> None:
         """`_prefill`, replayed (captured the first time: its warm-up runs are the prefill itself,
         on the inputs already in place) or eagerly. Captured under the run's own deterministic
         mode: the prefill has no op whose deterministic form syncs with the host."""
-        if self.use_graphs and self.graph_prefill and pf.graph is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
+        if not (self.use_graphs and self.graph_prefill):
+            return self._prefill(pf)
+        if pf.graph is None:
             try:
-                pf.graph, _ = _captured(lambda: self._prefill(pf), self.pool)
+                pf.graph, _ = _captured(lambda: self._prefill(pf), self._graph_pool())
             except RuntimeError as e:  # an op this torch cannot capture here: the prefill runs eagerly
                 log.warning("CUDA graph capture of the prefill failed, it runs eagerly: %s", e)
                 torch.cuda.synchronize()
                 self.graph_prefill = False
-        if pf.graph is not None and self.use_graphs and self.graph_prefill:
-            pf.graph.replay()
-        else:
-            self._prefill(pf)
+                return self._prefill(pf)
+        pf.graph.replay()
+
+    def _graph_pool(self):
+        """The memory pool every graph of this decoder is captured in (they never run at once)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     def _attended(self, st: _Fixed, col: int) -> int:
         """How many cache columns the step that writes column `col` attends: the columns up to it,
@@ -340,10 +345,8 @@ class StaticDecoder(FastDecoder):
         select instead, a pass over the attended cache a layer). One column, one writer per element:
         the plain kernel stores the same values every replay. The mode is restored before anything
         else runs (capture is synchronous, on this thread)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()  # every graph shares one memory pool
         with one_writer_each():
-            st.graphs[width], _ = _captured(lambda: self._step(st, width), self.pool)
+            st.graphs[width], _ = _captured(lambda: self._step(st, width), self._graph_pool())
 
     def _advance(self, st: _Fixed, logits: torch.Tensor, mode: tuple) -> None:
         """Choose step st.t's token of every row from `logits` and move st to the next step, in
@@ -386,7 +389,7 @@ class StaticDecoder(FastDecoder):
         if mode not in st.advances:
             rng = torch.cuda.get_rng_state()
             try:
-                st.advances[mode], _ = _captured(lambda: self._advance(st, st.logits, mode), self.pool)
+                st.advances[mode], _ = _captured(lambda: self._advance(st, st.logits, mode), self._graph_pool())
             except RuntimeError as e:  # an op this torch cannot capture here: sample eagerly
                 log.warning("CUDA graph capture of the sampling step failed, it runs eagerly: %s", e)
                 torch.cuda.synchronize()
@@ -429,10 +432,7 @@ class StaticDecoder(FastDecoder):
         fused = self.fused if self.fuse else [None] * len(self.layers)
         for L, (kc, vc), fz in zip(self.layers, st.caches, fused):
             h = self._fixed_block(L, h, cos, sin, kc[..., :width], vc[:, :, :width], st.col, mask, sel, fz)
-        x = _fast_rms(h[:, -1], *self.norm)  # F.linear's own products, written where the advance reads
-        if self.head_bias is None:
-            return torch.mm(x, self.head.t(), out=st.logits)
-        return torch.addmm(self.head_bias, x, self.head.t(), out=st.logits)
+        return self._head_into(h[:, -1], st.logits)  # where the advance reads them
 
     def _masked_writes(self, device: torch.device) -> bool:
         if self.masked_writes is not None:
@@ -449,7 +449,7 @@ class StaticDecoder(FastDecoder):
         gate, up another."""
         B = h.shape[0]
         nkv, hd, width = self.kv_heads, self.head_dim, kc.shape[-1]
-        q, k, v = self._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
+        q, k, v = self._layer_qkv(L, h, cos, sin, fused)
         k, v = k.permute(0, 2, 3, 1), v.transpose(1, 2)  # [B, kv, hd, 1], [B, kv, 1, hd]
         if sel is None:
             kc.index_copy_(3, col, k)
@@ -460,26 +460,22 @@ class StaticDecoder(FastDecoder):
         scores = torch.baddbmm(mask, q.reshape(B * nkv, self.groups, hd), kc.view(B * nkv, hd, width),
                                alpha=self.scaling)
         o = torch.softmax(scores, dim=-1) @ vc.view(B * nkv, width, hd)
-        o = o.view(B, 1, self.heads * hd)
-        if fused is None:
-            return super()._out_mlp(L, h, o)
-        return self._out_mlp_fused(L, h, o, fused)
+        return self._layer_out(L, h, o.view(B, 1, self.heads * hd), fused)
+
+    def _layer_qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_qkv`, through the fused product where `fused` (the layer's `_refresh_fused` buffers) is given."""
+        return self._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
+
+    def _layer_out(self, L: _Layer, h: torch.Tensor, o: torch.Tensor, fused) -> torch.Tensor:
+        """`_out_mlp`, through the fused gate and up product where `fused` is given."""
+        return self._out_mlp(L, h, o) if fused is None else self._out_mlp_fused(L, h, o, fused)
 
     def _out_mlp_fused(self, L: _Layer, h: torch.Tensor, o: torch.Tensor, fused) -> torch.Tensor:
         """`_out_mlp` with gate and up as one product (`_refresh_fused`)."""
         h = h + F.linear(o, L.wo, L.bo)
         gate, up = F.linear(_fast_rms(h, *L.ln2), fused[2]).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, L.wd)
-
-    # the prefill's layers (`_prefill`) through the fused products too
-    def _qkv(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        fused = self.fused_of.get(id(L)) if self.fuse else None
-        return super()._qkv(L, h, cos, sin) if fused is None else self._qkv_fused(L, h, cos, sin, fused)
-
-    def _out_mlp(self, L: _Layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        fused = self.fused_of.get(id(L)) if self.fuse else None
-        return super()._out_mlp(L, h, o) if fused is None else self._out_mlp_fused(L, h, o, fused)
 
     def _qkv_fused(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -529,7 +525,8 @@ class StaticDecoder(FastDecoder):
         ids, valid = left_pad(padded, pad, width=wide)
         positions = (valid.cumsum(-1) - 1).clamp(min=0)
         rows, inverse = distinct(padded)
-        pf = self._prefill_state(bucket(len(rows)), wide)
+        prefill_rows = bucket(len(rows))
+        pf = _lru(self.prefills, (prefill_rows, wide), MAX_PREFILLS, lambda: _Prefill(self, prefill_rows, wide))
         rows += [rows[0]] * (pf.ids.shape[0] - len(rows))  # filler prompts, their results unused
         pf.ids.copy_(ids[rows])
         pf.positions.copy_(positions[rows])
