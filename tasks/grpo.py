@@ -104,10 +104,10 @@ def submit_prefect_task(step: str, round_: int, fn, *args):
 
 
 def finish(trainer: GRPOTrainer, work: Path, logger) -> dict[str, Any]:
-    from trainer import checkpoint, engine as ds
+    from trainer import engine as ds
 
     # a checkpoint at the last round: asking this stage for more rounds later continues from it
-    if checkpoint.tag_for(trainer.round) not in checkpoint.committed_tags(trainer.ckpt_dir):
+    if trainer.checkpointed != trainer.round:
         trainer.save()
     trainer.export(work / "model", work / "adapter")
     if trainer.critic is not None:  # gae: the critic too, as grpo.critic.path takes it

@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
+from trainer import launch, storage
 from trainer.checkpoint import COMMITTED, committed_tags
 from trainer.procwatch import process_gone
 
@@ -96,19 +96,20 @@ def commit(work: Path, folder: str, manifest: dict[str, Any], replace: bool) -> 
         storage.write_json(str(work / storage.MANIFEST), manifest)
         storage.replace_dir(work, Path(storage.fs_for(folder)[1]))
         return
-    if replace:
-        storage.remove(folder)
+    if replace:  # the old result's files; the checkpoints committed beside it are the new run's
+        storage.remove(folder, keep=("checkpoints/",))
     storage.put_dir(work, folder, skip=UNCHECKED)
     storage.commit_manifest(folder, manifest)
 
 
 # What a result's manifest does not list, a cache hit does not check and a commit does not copy to
-# the result's folder (on an s3:// root nothing is uploaded that nothing reads): checkpoints, which
-# stay in the machine's scratch folder ($POSTTRAIN_CACHE/work) where resumes and continuations on
-# that machine read them; GRPO's `sync/` (the weights pushed to SGLang each round); the launch's own
+# the result's folder (on an s3:// root nothing is uploaded that nothing reads): checkpoints, which a
+# local root keeps in the folder, and an s3:// root in the machine's scratch folder ($POSTTRAIN_CACHE/work),
+# each also committed to the folder's `checkpoints/` as it is saved (trainer.checkpoint's mirror), where
+# a resume or continuation on any machine finds them; GRPO's `sync/` (the weights pushed to SGLang each round); the launch's own
 # bookkeeping. The manifest itself is written separately, last.
-UNCHECKED = ("checkpoints/", "sync/", "rank_status/", "launch_spec.json", "launch_result.json", HOLDER_FILE,
-             storage.MANIFEST)
+UNCHECKED = ("checkpoints/", "sync/", "rank_status/", "launch_spec.json", "launch_result.json", launch.HOSTFILE,
+             launch.DS_ENV_FILE, HOLDER_FILE, storage.MANIFEST)
 
 
 def damage(folder: str, manifest: dict[str, Any]) -> str | None:

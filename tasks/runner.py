@@ -20,7 +20,7 @@ from tasks.results import HOLDER_FILE, adopt_checkpoint, commit, damage, work_di
 from tasks.stages import rule_for
 from tasks.tracking import MlflowLogger, TrackingRef, child_logger, ended_status, prefect_logger
 from trainer import storage
-from trainer.checkpoint import committed_tags, guarded as checkpoint_guard
+from trainer.checkpoint import committed_tags, guarded as checkpoint_guard, mirror_tags, mirrored as checkpoint_mirrored
 from trainer.config import RunConfig
 
 # the lease a stage holds while its body runs (run_launched hands its ranks lock to the ranks)
@@ -98,24 +98,30 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
     work = work_dir_for(folder, holder=held.token, fresh=fresh)
     took_over = f"took over from {lease._describe(held.previous)}; " if held.previous else ""
     adopted = None
+    mirror = checkpoint_mirror(folder)
     if storage.is_remote(folder):
         storage.write_json(str(work / HOLDER_FILE), {"pid": os.getpid(), "host": socket.gethostname(),
                                                      "token": held.token, "flow_run_id": ref.flow_run_id})
-        if not fresh:
+        if fresh:  # a recompute starts from its input, not from the checkpoints of the result it replaces
+            storage.remove(mirror)
+        else:
             adopted = adopt_checkpoint(folder, work)
     checkpoints = committed_tags(work / "checkpoints")
+    mirrored = mirror_tags(mirror) if mirror else []
     source = None
-    if checkpoints:
+    if mirrored and (not checkpoints or mirrored[-1] > checkpoints[-1]):
+        source = f"the checkpoint {mirrored[-1]} committed at {mirror}"
+    elif checkpoints:
         source = f"the checkpoint {checkpoints[-1]} " + (f"left on this machine by pid {adopted[1].get('pid')}" if adopted
                                                          else f"left in {work} by an earlier attempt")
     if where.continues_from is not None:
         if source:
             log.info("%s: %scontinuing the result at %s from %d to %d, from %s", stage, took_over, folder,
                      where.continues_from, span, source)
-        else:  # checkpoints stay in the scratch folder of the machine that ran it (see UNCHECKED)
-            log.warning("%s: %sextending the result at %s from %d to %d, but its checkpoints are not on this machine "
-                        "(they stay in the scratch folder of the machine that computed it): computing the stage "
-                        "again from its input", stage, took_over, folder, where.continues_from, span)
+        else:  # a local root's checkpoints were removed, or the result came from another root
+            log.warning("%s: %sextending the result at %s from %d to %d, but none of its checkpoints is left: "
+                        "computing the stage again from its input", stage, took_over, folder, where.continues_from,
+                        span)
         storage.remove(storage.join(folder, storage.MANIFEST))  # uncommitted until the longer run ends
     elif fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
@@ -123,16 +129,15 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
     elif source:
         log.info("%s: %sresuming from %s", stage, took_over, source)
     elif took_over:
-        log.warning("%s: %sno checkpoint of it is on this machine (checkpoints stay on the machine that wrote "
-                    "them; it ran on %s): restarting from the stage's input", stage, took_over,
-                    held.previous.get("host"))
+        log.warning("%s: %sthe run it took over (on %s) left no committed checkpoint: restarting from the stage's "
+                    "input", stage, took_over, held.previous.get("host"))
     logger = child_logger(ref, stage, {"cache_hit": False, "cache_key": where.key})
     logger.log_reads(inputs, reads, policy=policy, pretrained=start)
     sections = rule.sections  # the config sections the stage logs and records
     logger.log_params({stage_section: cfg.to_dict()[stage_section] for stage_section in sections})
     log.info("%s: running (key %s) in %s; MLflow child run %s", stage, where.key, folder, logger.run_id)
     try:
-        with checkpoint_guard(held.check):
+        with checkpoint_guard(held.check), checkpoint_mirrored(mirror):
             extra = body(work, logger)
         held.check()
         model_id = log_policy(stage, cfg, rule, ref, where, work, extra, logger)
@@ -196,6 +201,12 @@ def log_policy(stage: str, cfg, rule: KeyRule, ref: TrackingRef, where, work: Pa
     return logger.log_model(cfg.logged_model_name(role), work / subdir, params, tags, description)
 
 
+def checkpoint_mirror(folder: str) -> str | None:
+    """Where a stage on a remote root commits its checkpoints for any machine to resume: its folder's
+    `checkpoints/` (never part of the result: tasks.results.UNCHECKED). None for a local root."""
+    return storage.join(folder, "checkpoints") if storage.is_remote(folder) else None
+
+
 def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="posttrain-"))
 
@@ -206,9 +217,13 @@ def run_launched(stage: str, cfg: RunConfig, ds_cfg, work: Path, ref: TrackingRe
     its output goes into this task's log; a crash, timeout or cancellation kills every rank."""
     from trainer import launch
 
+    from trainer.checkpoint import current_mirror
+
     held = _held.get()
     spec = {"stage": stage, "config": cfg.to_dict(), "work_dir": str(work), "inputs": inputs,
             "mlflow": {"tracking_uri": ref.tracking_uri, "run_id": logger.run_id}, "supervisor_pid": os.getpid(),
+            "supervisor_host": socket.gethostname(), "collective_timeout_s": ds_cfg.collective_timeout_s,
+            "checkpoint_mirror": current_mirror(),
             "ranks_lock": str(held.ranks_lock) if held is not None and held.ranks_lock else None,
             "lease": held.for_ranks() if held is not None else None}
     path = launch.write_spec(work, spec)

@@ -69,15 +69,20 @@ def test_speedrun_on_s3_then_cached_rerun(s3, session_dir, caplog, capsys):
         assert fs.exists(s["uri"] + "/manifest.json"), s["uri"]
     sft = next(s for s in first["stages"] if s["stage"] == "sft")
     assert fs.exists(sft["uri"] + "/model/model.safetensors")
-    # uploaded: what later stages and users read; not: checkpoints (they stay in the machine's
-    # scratch folder) and GRPO's per-round weight pushes to SGLang
+    # uploaded: what later stages and users read, and the checkpoints, each committed (marker last) as it
+    # was saved, where a resume on any machine finds them; not: GRPO's per-round weight pushes to SGLang,
+    # nor the launch's bookkeeping
     from trainer import storage
 
     for stage in ("sft", "grpo"):
         uri = next(s["uri"] for s in first["stages"] if s["stage"] == stage)
         files = storage.list_files(uri)
         assert "model/model.safetensors" in files and "manifest.json" in files, (stage, sorted(files))
-        assert not [f for f in files if f.startswith(("checkpoints/", "sync/", "rank_status/"))], (stage, sorted(files))
+        assert not [f for f in files if f.startswith(("sync/", "rank_status/", "launch_"))], (stage, sorted(files))
+        markers = [f for f in files if f.startswith("checkpoints/") and f.endswith("/COMMITTED")]
+        assert markers, (stage, sorted(files))
+        manifest = json.loads(fs.cat(uri + "/manifest.json"))
+        assert not [f for f in manifest["files"] if f.startswith("checkpoints/")]  # not part of the result
     grpo_files = storage.list_files(next(s["uri"] for s in first["stages"] if s["stage"] == "grpo"))
     assert "history.jsonl" in grpo_files
 

@@ -3,6 +3,13 @@
 DeepSpeed saves weights, optimizer and LR scheduler under `<dir>/<tag>/`; we add the client state
 (step, data position, RNG states, anything the loop carries) and then write `<tag>/COMMITTED`
 last. Only committed tags are ever loaded; a torn one is skipped with a warning.
+
+Mirrored (`mirrored(url)`, a stage on an s3:// root): each committed checkpoint is also committed at
+`<url>/<tag>/`, every host's files first (each host uploads what its ranks wrote), the marker, listing
+all of them, last; the newest `keep` are kept there too. A resume on any host, with any hosts, takes
+the newest checkpoint committed there (downloaded where this host's copy is not whole), or a newer
+one of its own when it runs alone: machines share no disk, and a checkpoint reaches another host only
+through the store.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import random
 import shutil
 from contextlib import contextmanager
@@ -53,8 +61,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def numerics() -> dict[str, Any]:
     """What a process's arithmetic depends on beyond the weights and data: the same weights come
     out of a resume only when these match the run that wrote the checkpoint (docs/reproducibility.md)."""
-    import os
-
     import torch
 
     from trainer.engine import DETERMINISTIC
@@ -79,6 +85,23 @@ class CheckpointError(InputError):
 # Called on rank 0 before every save: raises when this process may no longer write its folder (the
 # stage's lease was lost, tasks/lease.py), so a run that has been taken over stops before it saves.
 _save_guard: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("save_guard", default=None)
+# Where checkpoints are committed besides the local folder (a remote URL), or None: `mirrored`.
+_mirror: contextvars.ContextVar[str | None] = contextvars.ContextVar("checkpoint_mirror", default=None)
+
+
+def current_mirror() -> str | None:
+    """The mirror `mirrored` set for this context (a launched stage hands it to its ranks)."""
+    return _mirror.get()
+
+
+@contextmanager
+def mirrored(url: str | None) -> Iterator[None]:
+    """Inside the block, commit every checkpoint at `url` too, and resume from there (None: local only)."""
+    token = _mirror.set(url)
+    try:
+        yield
+    finally:
+        _mirror.reset(token)
 
 
 @contextmanager
@@ -114,7 +137,7 @@ def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], 
     Raises CheckpointError naming the folder when the save fails (a full disk, most often): the torn
     tag is removed, and the earlier committed checkpoints stay as they were. Raises whatever the
     save guard raises (`guarded`) before writing anything."""
-    from trainer.engine import rank
+    from trainer.engine import any_rank, rank
     import torch.distributed as dist
 
     _check_guard()
@@ -130,19 +153,105 @@ def save(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any], 
         raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
     if dist.is_initialized():
         dist.barrier()
-    if rank() == 0:
-        files = {f.relative_to(ckpt_dir / tag).as_posix(): f.stat().st_size
-                 for f in (ckpt_dir / tag).rglob("*") if f.is_file()}
-        try:
-            storage.write_json(str(ckpt_dir / tag / COMMITTED), {"step": step, "files": files})
-        except OSError as exc:
-            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
-            raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
-        for old in committed_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    mirror = _mirror.get()
+    files = _local_files(ckpt_dir / tag)
+    if mirror is None:
+        if rank() == 0:
+            _commit_local(ckpt_dir, tag, step, files, keep)
+    else:
+        # each machine's marker lists the files on that machine's disk (no host sees another's), so
+        # each machine's copy is whole or not on its own; the mirror's lists them all
+        everything = _upload(ckpt_dir / tag, storage.join(mirror, tag), files)
+        if _node_leader():
+            _commit_local(ckpt_dir, tag, step, files, keep)
+        problem = None
+        if rank() == 0:
+            try:  # last: a checkpoint any host may resume from
+                storage.write_json(storage.join(mirror, tag, COMMITTED), {"step": step, "files": everything})
+                _prune_mirror(mirror, keep)
+            except OSError as exc:
+                problem = exc
+        if any_rank(problem is not None):
+            raise CheckpointError(f"committing checkpoint {tag} at {mirror} failed ("
+                                  f"{type(problem).__name__ + ': ' + str(problem) if problem else 'on rank 0'}); "
+                                  "the earlier committed checkpoints stay as they were, and a run again resumes "
+                                  "from the newest of them") from problem
     if dist.is_initialized():
         dist.barrier()
     return ckpt_dir / tag
+
+
+def _commit_local(ckpt_dir: Path, tag: str, step: int, files: dict[str, int], keep: int) -> None:
+    """Write `tag`'s marker on this machine's disk, then drop this machine's older checkpoints."""
+    try:
+        storage.write_json(str(ckpt_dir / tag / COMMITTED), {"step": step, "files": files})
+    except OSError as exc:
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        raise CheckpointError(_save_failed(ckpt_dir / tag, exc)) from exc
+    for old in committed_tags(ckpt_dir)[:-keep]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _local_files(tag_dir: Path) -> dict[str, int]:
+    return {f.relative_to(tag_dir).as_posix(): f.stat().st_size for f in tag_dir.rglob("*")
+            if f.is_file() and f.name != COMMITTED}
+
+
+def _node_leader() -> bool:
+    """The first rank on its machine: the one that moves that machine's checkpoint files."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _upload(tag_dir: Path, url: str, files: dict[str, int]) -> dict[str, int]:
+    """Each machine's first rank uploads the files its ranks wrote; every rank gets the union (what the
+    marker lists). Raises CheckpointError on every rank when any upload failed."""
+    import torch.distributed as dist
+
+    from trainer.engine import any_rank, world_size
+
+    problem = None
+    mine = files if _node_leader() else {}
+    if mine:
+        try:
+            storage.put_dir(tag_dir, url, skip=(COMMITTED,))
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank together
+            problem = exc
+    if any_rank(problem is not None):
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        raise CheckpointError(f"committing checkpoint {tag_dir.name} at {url} failed ("
+                              f"{type(problem).__name__ if problem else 'on another host'}: {problem or 'see its log'}); "
+                              "the earlier committed checkpoints stay as they were, and a run again resumes from "
+                              "the newest of them") from problem
+    if world_size() == 1:
+        return mine
+    gathered: list[dict[str, int]] = [{} for _ in range(world_size())]
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def mirror_tags(mirror: str) -> list[str]:
+    """The checkpoints committed at `mirror`, oldest first."""
+    listed = storage.list_files(mirror)
+    return sorted(rel.split("/")[0] for rel in listed if rel.count("/") == 1 and rel.endswith("/" + COMMITTED)
+                  and rel.startswith("step"))
+
+
+def _prune_mirror(mirror: str, keep: int) -> None:
+    """Keep the newest `keep` committed checkpoints at `mirror`; each older one loses its marker first,
+    so that no reader ever finds a marker whose files are going. Uncommitted tags older than the newest
+    committed one (a save that failed) go too."""
+    tags = mirror_tags(mirror)
+    if not tags:
+        return
+    old = set(tags[:-keep])
+    listed = {rel.split("/")[0] for rel in storage.list_files(mirror) if rel.startswith("step")}
+    old |= {t for t in listed if t < tags[-1] and t not in tags}
+    for tag in sorted(old):
+        try:
+            storage.remove(storage.join(mirror, tag, COMMITTED))
+            storage.remove(storage.join(mirror, tag))
+        except OSError as exc:  # the store's hiccup costs space, not correctness: pruned at the next save
+            log.warning("could not remove old checkpoint %s/%s (%s)", mirror, tag, exc)
 
 
 def _save_failed(path: Path, exc: BaseException) -> str:
@@ -190,14 +299,21 @@ def committed_tags(ckpt_dir: str | Path) -> list[str]:
 def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Load the newest committed checkpoint that loads into `engine` (and its `extra` engines, as
     `save` wrote them); returns its client state, or None when there is none. One that fails to
-    load is logged and the one before it is tried.
+    load is logged and the one before it is tried. Mirrored, every rank takes the same checkpoint,
+    from the mirror where its host's copy is not whole.
 
     Raises CheckpointError when committed checkpoints exist and none of them loads."""
+    from trainer.engine import any_rank
+
     ckpt_dir = Path(ckpt_dir)
-    tags = committed_tags(ckpt_dir)
+    mirror = _mirror.get()
+    tags = _agreed_tags(ckpt_dir, mirror) if mirror is not None else committed_tags(ckpt_dir)
     failures = []
     for tag in reversed(tags):
+        problem = None
         try:
+            if mirror is not None:
+                _fetch(ckpt_dir, mirror, tag)
             _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
             if client is None:
@@ -209,10 +325,13 @@ def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = Non
                                                load_lr_scheduler_states=True)
                 if sub is None:
                     raise RuntimeError(f"DeepSpeed found no {name} to load")
-        except Exception as exc:
-            failures.append(f"{ckpt_dir / tag}: {type(exc).__name__}: {str(exc)[:300]}")
-            log.warning("checkpoint %s could not be loaded (%s: %s); trying the one before it", ckpt_dir / tag,
-                        type(exc).__name__, str(exc)[:300])
+        except Exception as exc:  # noqa: BLE001 - every rank then tries the one before it, together
+            problem = exc
+        if (any_rank(problem is not None) if mirror is not None else problem is not None):
+            where = f"{ckpt_dir / tag}" + (f" (or {storage.join(mirror, tag)})" if mirror else "")
+            what = f"{type(problem).__name__}: {str(problem)[:300]}" if problem else "it failed on another rank"
+            failures.append(f"{where}: {what}")
+            log.warning("checkpoint %s could not be loaded (%s); trying the one before it", where, what)
             continue
         set_rng_state(client["rng"])
         log.info("resumed from checkpoint %s/%s (step %d)", ckpt_dir, tag, client["step"])
@@ -226,3 +345,58 @@ def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = Non
         raise CheckpointError("no committed checkpoint under " + str(ckpt_dir) + " could be loaded:\n  "
                               + "\n  ".join(failures) + f"\ndelete {ckpt_dir} to start this stage over")
     return None
+
+
+def _agreed_tags(ckpt_dir: Path, mirror: str) -> list[str]:
+    """The checkpoints every rank can load, oldest first: those committed at the mirror, and those whole
+    on every rank's own disk (a single machine's newer ones, whose commit at the mirror did not finish)."""
+    import torch.distributed as dist
+
+    from trainer.engine import rank, world_size
+
+    local = set(committed_tags(ckpt_dir))
+    remote = set(mirror_tags(mirror)) if rank() == 0 else set()
+    if world_size() > 1:
+        parts: list[set[str]] = [set() for _ in range(world_size())]
+        dist.all_gather_object(parts, local)
+        local = set.intersection(*parts)
+        shared = [remote]
+        dist.broadcast_object_list(shared, src=0)
+        remote = shared[0]
+    return sorted(local | remote)
+
+
+def _fetch(ckpt_dir: Path, mirror: str, tag: str) -> None:
+    """Each machine's first rank downloads `tag` from the mirror where its own copy is not whole; every
+    rank waits for every machine's download (and raises what failed on its own)."""
+    import torch.distributed as dist
+
+    problem = None
+    if _node_leader() and (not (ckpt_dir / tag / COMMITTED).is_file() or damage(ckpt_dir / tag)):
+        try:
+            _download(ckpt_dir, storage.join(mirror, tag), tag)
+        except Exception as exc:  # noqa: BLE001 - raised once every rank is past the barrier
+            problem = exc
+    if dist.is_initialized():
+        dist.barrier()
+    if problem is not None:
+        raise problem
+
+
+def _download(ckpt_dir: Path, url: str, tag: str) -> None:
+    listed = json.loads(storage.read_text(storage.join(url, COMMITTED)))["files"]
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    part = ckpt_dir / f".{tag}.download"
+    shutil.rmtree(part, ignore_errors=True)
+    fs, path = storage.fs_for(url)
+    for rel in sorted(listed):
+        (part / rel).parent.mkdir(parents=True, exist_ok=True)
+        storage._retrying("download", storage.join(url, rel),
+                          lambda rel=rel: fs.get_file(f"{path.rstrip('/')}/{rel}", str(part / rel)))
+    storage.write_json(str(part / COMMITTED), {"step": int(tag[4:]), "files": listed})
+    if problem := damage(part):
+        shutil.rmtree(part, ignore_errors=True)
+        raise CheckpointError(f"the checkpoint {url} downloaded torn ({problem})")
+    shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+    os.replace(part, ckpt_dir / tag)
+    log.info("checkpoint %s: downloaded from %s", tag, url)

@@ -118,8 +118,9 @@ class GRPOTrainer:
         # the pre-0.2 behaviour, kept for the parity test)
         self.reuse_training_logprobs = True
         state = checkpoint.load_latest(self.ds, self.ckpt_dir, extra=self._extra_engines())
+        self.checkpointed: int | None = None  # the round of the newest checkpoint (every rank agrees)
         if state is not None:
-            self.round = state["step"]
+            self.round = self.checkpointed = state["step"]
             self.manager.load_state_dict(state["manager"])
             self.history = state["history"]
             self.seconds_before_resume = state.get("seconds", 0.0)
@@ -532,6 +533,7 @@ class GRPOTrainer:
         if self.producer is not None:  # the batches generated for the next rounds, waited for
             state["pending"] = self.producer.pending()
         checkpoint.save(self.ds, self.ckpt_dir, self.round, state, extra=self._extra_engines())
+        self.checkpointed = self.round
         self.last_checkpoint = time.perf_counter()
 
     def close(self) -> None:

@@ -352,8 +352,14 @@ def fill_once(dest: Path, fill) -> Path:
     return dest
 
 
-def remove(url: str) -> None:
+def remove(url: str, keep: tuple[str, ...] = ()) -> None:
+    """Remove a file or folder; with `keep` (relative paths, or prefixes ending in '/'), a folder's
+    other files only."""
     fs, path = fs_for(url)
+    if keep:
+        for rel in list_files(url, skip=keep):
+            _retrying("remove", join(url, rel), lambda rel=rel: fs.rm(f"{path.rstrip('/')}/{rel}"))
+        return
     if exists(url):
         _retrying("remove", url, lambda: fs.rm(path, recursive=True))
 
