@@ -16,6 +16,7 @@ from tasks.results import scratch_root, work_dir_for
 from tasks.sources import is_model_uri
 from trainer import launch, storage
 from trainer.config import DeepSpeedConfig, RunConfig
+from trainer.errors import InputError
 from trainer.gguf_source import GGUFError, is_registry, registry_dir, registry_parts
 from trainer.model import pretrained_kind
 
@@ -127,7 +128,7 @@ def _check_artifact_location(location: str | None, problems: list[str]) -> None:
                                                f"{location}: {type(exc).__name__}: {exc}"))
 
 
-def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
+def _how(stage: str, ds: DeepSpeedConfig, folder: str, problems: list[str]) -> list[str]:
     head = f"zero_stage={ds.zero_stage} precision={ds.precision}"
     if ds.precision == "bf16" and ds.zero_stage == 0:
         head += " (DeepSpeed's bf16 optimizer, which is ZeRO stage 1's: trainer.engine.ds_config)"
@@ -136,9 +137,21 @@ def _how(stage: str, ds: DeepSpeedConfig, folder: str) -> list[str]:
     # on an s3:// root, the work folder is named by the lease token of the run that computes it
     work = scratch_root(folder) / "<holder>" if storage.is_remote(folder) else work_dir_for(folder, create=False)
     spec = work / launch.SPEC
-    plan = launch.plan(stage, ds, spec, port=ds.master_port or 29500)
+    try:
+        plan = launch.plan(stage, ds, spec, port=ds.master_port or 29500)
+    except InputError as exc:  # the hostfile: missing, unreadable, or without this machine
+        problems.append(str(exc))
+        return []
     port_note = "" if ds.master_port else " (port: a free one is picked at launch)"
-    return [f"  DeepSpeed: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
+    hosts = []
+    if plan.hosts:  # the preflight the launch itself runs first: every host reachable, the same Python and source
+        try:
+            answers = launch.check_hosts(stage, plan.hosts, ds.interface)
+            hosts = [f"  hosts: " + ", ".join(f"{h} ({a.get('cores', '?')} cores, posttrain {a.get('version')})"
+                                             for h, a in answers.items()) + " answered the preflight"]
+        except launch.HostError as exc:
+            problems.append(str(exc))
+    return hosts + [f"  DeepSpeed: {plan.world_size} ranks = {ds.ranks_per_node} per node x {ds.nodes} node(s), {head}"
             f"{port_note}", f"  $ {shlex.join(plan.command)}"]
 
 
@@ -156,7 +169,7 @@ def _lora(cfg: RunConfig, generates: bool) -> list[str]:
 
 def plan_sft(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:
     if cfg.sft.enabled:
-        return _how("sft", cfg.sft.deepspeed, folder) + _lora(cfg, False)
+        return _how("sft", cfg.sft.deepspeed, folder, problems) + _lora(cfg, False)
     return [f"  sft: off (sft.enabled=false): {cfg.model.pretrained} is the starting policy, committed as this "
             "stage's model in this process; the evals and GRPO start from it"]
 
@@ -165,7 +178,7 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
     from trainer.rl.orchestrator import groups_per_chunk, groups_per_round
     from trainer.inference.sglang import SGLangError, check_server_python, launch_command, server_env, server_gpu_positions
 
-    lines = _how("grpo", cfg.grpo.deepspeed, folder) + _lora(cfg, True)
+    lines = _how("grpo", cfg.grpo.deepspeed, folder, problems) + _lora(cfg, True)
     g = cfg.grpo
     if g.advantage == "gae":
         c = g.critic
@@ -238,7 +251,7 @@ def plan_control(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str
               f"{cfg.control.time_factor:g} x GRPO's training seconds (its steps are fixed once grpo has run)")
     start = "the SFT policy" if cfg.sft.enabled else "the starting policy"
     return [f"  SFT-only control: SFT continued from {start} at lr {cfg.control.lr:g} for {budget}",
-            *_how("sft", cfg.sft.deepspeed, folder), *_lora(cfg, False)]  # the control runs the sft body
+            *_how("sft", cfg.sft.deepspeed, folder, problems), *_lora(cfg, False)]  # the control runs the sft body
 
 
 def plan_eval(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], problems: list[str]) -> list[str]:

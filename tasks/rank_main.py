@@ -15,6 +15,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -87,18 +88,24 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.lease import hold_ranks_lock
 
         hold_ranks_lock(spec["ranks_lock"])
-    if spec.get("supervisor_pid") and process_gone(spec["supervisor_pid"]):
+    # the supervising task's process, where it is on this host (a rank on another host is stopped by its
+    # wrapper, trainer.hosts, when the launching host closes its ssh session)
+    here = spec.get("supervisor_host") in (None, socket.gethostname())
+    if here and spec.get("supervisor_pid") and process_gone(spec["supervisor_pid"]):
         return 3  # its task died before this rank started: another run may own the folder now
-    if spec.get("supervisor_pid"):
+    if here and spec.get("supervisor_pid"):
         threading.Thread(target=_watch_supervisor, args=(spec["supervisor_pid"],), daemon=True).start()
-    ds.init_distributed()
+    ds.init_distributed(spec.get("collective_timeout_s"))
     rank = ds.rank()
     level = logging.INFO if rank == 0 else logging.WARNING
+    # on another host trainer.hosts prefixes each line with the rank itself (and pdsh with the host)
+    prefix = "" if os.environ.get("POSTTRAIN_LAUNCH_ID") else f"[rank {rank}] "
     logging.basicConfig(level=level, stream=sys.stdout, force=True,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+                        format=f"{prefix}%(levelname)s %(name)s: %(message)s")
     logging.getLogger("trainer").setLevel(level)  # (tasks/__init__ set INFO for the in-process stages)
     cfg = RunConfig.model_validate(spec["config"])
     work = Path(spec["work_dir"])
+    work.mkdir(parents=True, exist_ok=True)  # a host's own scratch copy of the stage's folder (trainer.hosts)
     inputs = spec["inputs"]
     logger = NullLogger()
     if rank == 0 and spec.get("mlflow"):
@@ -109,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     status = launch.rank_status_path(work, local_rank, "error")
     status.parent.mkdir(parents=True, exist_ok=True)
     from tasks.lease import checker
-    from trainer.checkpoint import guarded
+    from trainer.checkpoint import guarded, mirrored
 
     try:
-        # an s3:// stage's lease: checked (and renewed) before every checkpoint, as its task does
-        with guarded(checker(spec["lease"]) if spec.get("lease") else None):
+        # an s3:// stage's lease: checked (and renewed) before every checkpoint, as its task does; and
+        # its checkpoints committed to the stage's folder there too, where any host resumes them
+        with guarded(checker(spec["lease"]) if spec.get("lease") else None), mirrored(spec.get("checkpoint_mirror")):
             result = run_body(spec["stage"], cfg, inputs, work, logger)
         ds.barrier()
     except BaseException as e:  # recorded for the supervisor's message, then raised as usual

@@ -2,6 +2,8 @@
 launch command lines with their ranks and SGLang server commands with their GPUs.
 Bad paths are named; nothing is started or written."""
 
+import re
+
 import pytest
 
 from flows.cli import main
@@ -79,18 +81,33 @@ def test_dry_run_names_bad_paths(tmp_path, capsys, override, named):
     assert not (tmp_path / "art").exists()
 
 
-def test_several_nodes_need_a_hostfile(tmp_path, capsys):
+def test_several_nodes_need_a_hostfile_a_shared_store_and_this_machine_in_the_hostfile(tmp_path, capsys, monkeypatch):
     code = main(["sft", "--preset", "tiny", "--dry-run", "--set", "sft.deepspeed.nodes=2"])
     assert code == 2
     assert "nodes=2 needs hostfile" in capsys.readouterr().err
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
-    code = main(["sft", "--preset", "tiny", "--dry-run", "--set", "sft.deepspeed.nodes=2",
-                 "--set", "sft.deepspeed.ranks_per_node=8", "--set", f"sft.deepspeed.hostfile={hostfile}"])
+    nodes = ["--set", "sft.deepspeed.nodes=2", "--set", "sft.deepspeed.ranks_per_node=8",
+             "--set", f"sft.deepspeed.hostfile={hostfile}"]
+    code = main(["sft", "--preset", "tiny", "--dry-run", *nodes])
+    assert code == 2
+    assert "machines share no disk" in capsys.readouterr().err  # the artifact root must be a store
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    s3 = ["--set", "artifact_root=s3://bucket/runs"]
+    code = main(["sft", "--preset", "tiny", "--dry-run", *nodes, *s3])
     out = capsys.readouterr().out
-    assert code == 0, out
-    assert f"--hostfile {hostfile} --num_nodes 2 --num_gpus 8" in out
+    assert code == 2 and "does not list this machine" in out, out  # rank 0 runs where the task runs
+    # this machine first, then the other: the command DeepSpeed runs, and the preflight's verdict on
+    # each host (no sshd here: tests/test_cluster.py runs the real thing)
+    hostfile.write_text("worker-2 slots=8\nlocalhost slots=8\n")
+    code = main(["sft", "--preset", "tiny", "--dry-run", *nodes, *s3])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert "--num_nodes 2 --num_gpus 8" in out and "--module trainer.hosts rank" in out
     assert "16 ranks = 8 per node x 2 node(s)" in out
+    assert "sft: 2 of the launch's 2 hosts cannot run its ranks" in out
+    assert re.search(r"worker-2: ssh failed .*Could not resolve hostname", out), out
 
 
 def test_tiny_preset_plan_is_in_process(capsys):

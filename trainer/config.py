@@ -200,6 +200,16 @@ class DeepSpeedConfig(Strict):
     nodes: int = Field(1, ge=1, description="machines; above 1 needs hostfile (the launcher's --num_nodes)")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' per line) for several nodes")
     master_port: int | None = Field(None, ge=1024, le=65535, description="rendezvous port; unset picks a free one")
+    master_addr: str | None = Field(
+        None, description="several machines: rank 0's address, which the others connect to; unset: this machine's "
+        "address on `interface`, else the first address `hostname -I` gives (DeepSpeed's runner)")
+    interface: str | None = Field(
+        None, description="several machines: the network interface the ranks' collectives use (GLOO_SOCKET_IFNAME "
+        "and NCCL_SOCKET_IFNAME on every rank); unset: what the host's name resolves to")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="a collective (or the rendezvous) that waits this long on another rank fails: how "
+        "long a lost host or a dead rank can hold up the stage (more than its longest step on one rank alone: "
+        "rank 0's evals and checkpoint uploads)")
     timeout_s: float | None = Field(
         None, gt=0, description="kill the launched ranks and fail the task after this many seconds")
 
@@ -537,6 +547,14 @@ class RunConfig(Strict):
                 "grpo.deepspeed.zero_stage=1 or 2 (optimizer state and gradients sharded, whole weights on "
                 "each rank), or one rank"
             )
+        for section in ("sft", "grpo"):
+            ds = getattr(self, section).deepspeed
+            if ds.nodes > 1 and ("://" not in self.artifact_root or self.artifact_root.startswith("file://")):
+                raise ValueError(
+                    f"{section}.deepspeed.nodes={ds.nodes} with artifact_root={self.artifact_root!r}: machines share "
+                    "no disk, so the inputs each rank reads, the checkpoints a retry on any host resumes from and "
+                    "the result travel through the artifact store; set artifact_root to an s3:// (or other remote) URL "
+                    "(docs/cluster.md)")
         registered = self.registered_model_name()
         if not registered.strip() or any(c in registered for c in "/:"):
             field = "tracking.registered_model" if self.tracking.registered_model is not None else (

@@ -79,8 +79,12 @@ def one_writer_each() -> Iterator[None]:
         torch.use_deterministic_algorithms(strict, warn_only=warn_only)
 
 
-def init_distributed() -> None:
-    """Join the launcher's process group, or make a one-rank group for a plain process."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join the launcher's process group, or make a one-rank group for a plain process. `timeout_s`:
+    how long the rendezvous and each collective wait on another rank before they fail (torch's default,
+    30 minutes, when None): what bounds a stage whose rank died or whose host went silent."""
+    import datetime
+
     import deepspeed
     import torch.distributed as dist
 
@@ -105,6 +109,14 @@ def init_distributed() -> None:
     if torch.cuda.is_available():
         # each rank's own GPU: DeepSpeed places the model there, and NCCL's collectives use it
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    if timeout_s:
+        # the groups DeepSpeed makes later (ZeRO's data-parallel group: new_group without a timeout) take
+        # torch's default, 30 minutes, read from these at each new_group: they get the same bound
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d.default_pg_timeout = timeout["timeout"]
+        c10d.default_pg_nccl_timeout = timeout["timeout"]
     one_rank = os.environ.get(_OWNER) == str(os.getpid())  # a group this module made up
     rendezvous = os.environ.get(RENDEZVOUS) or (rendezvous_file() if one_rank else None)
     if rendezvous:
@@ -113,8 +125,8 @@ def init_distributed() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]),
-                                device_id=device() if torch.cuda.is_available() else None)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+                                device_id=device() if torch.cuda.is_available() else None, **timeout)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, **timeout)
 
 
 RENDEZVOUS = "POSTTRAIN_RENDEZVOUS_FILE"  # set by the supervisor for ranks launched on this machine alone
