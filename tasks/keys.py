@@ -28,19 +28,15 @@ from typing import Any, Callable
 from trainer import storage
 from trainer.config import RunConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
 def code_version() -> str:
     """Hash of the pipeline's own source (trainer/ and tasks/, the C++ kernels and their header included):
-    any change invalidates caches."""
-    h = hashlib.sha256()
-    for pkg in ("trainer", "tasks"):
-        for f in sorted(x for x in (ROOT / pkg).rglob("*") if x.suffix in (".py", ".cpp", ".h")):
-            h.update(f.relative_to(ROOT).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:12]
+    any change invalidates caches, and every host of a launch must run the same (trainer.hosts)."""
+    from trainer.hosts import source_version
+
+    return source_version()
 
 
 # ---------------------------------------------------------------- content fingerprints
@@ -154,6 +150,11 @@ SFT_UNKEYED = {
     "sft.deepspeed.timeout_s": "how long the launch may take",
 }
 
+# A training stage's placement: the same ranks on one machine or on several give the same weights, bit for
+# bit (tests/test_cluster.py), so a result made on one is a cache hit for the other.
+PLACEMENT = ("ranks_per_node", "nodes", "hostfile", "master_port", "master_addr", "interface", "collective_timeout_s")
+
+
 def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
     """The rule's config sections without the fields that do not change the stage's result. A model
     in this machine's cache (a models:/ URI's download, tasks/sources.py) is keyed by its place in the
@@ -164,6 +165,13 @@ def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
     cache = str(storage.posttrain_cache()) + "/"
     if (model.get("pretrained") or "").startswith(cache):
         model["pretrained"] = "$POSTTRAIN_CACHE/" + model["pretrained"][len(cache):]
+    for section in out.values():
+        if isinstance(section, dict) and isinstance(section.get("deepspeed"), dict):
+            ds = section["deepspeed"]
+            # where the ranks run is not the result; how many there are is (the batch splits by rank)
+            ds["world_size"] = ds.get("ranks_per_node", 1) * ds.get("nodes", 1)
+            for placement in PLACEMENT:
+                ds.pop(placement, None)
     for dotted in rule.unkeyed:
         *parents, leaf = dotted.split(".")
         node = out

@@ -187,3 +187,15 @@ def test_more_rounds_continue_from_the_last_checkpoint(tmp_path):
     assert scratch["state_hash"] == g["state_hash"]
     again = grpo(run(tmp_path / "a", 4))
     assert again["cache_hit"] and again["key"] == g["key"]
+
+
+def test_where_the_ranks_run_is_not_keyed_how_many_is():
+    """Two ranks on one machine and one rank on each of two machines give the same weights
+    (tests/test_cluster.py): one key. Another number of ranks splits the batch otherwise: another key."""
+    root = "artifact_root=s3://bucket/runs"
+    for stage in ("sft", "grpo"):
+        one_host = key(stage, root, f"{stage}.deepspeed.ranks_per_node=2")
+        assert key(stage, root, f"{stage}.deepspeed.nodes=2", f"{stage}.deepspeed.hostfile=/etc/hostfile",
+                   f"{stage}.deepspeed.interface=eth1", f"{stage}.deepspeed.master_addr=10.0.0.1",
+                   f"{stage}.deepspeed.master_port=29600", f"{stage}.deepspeed.collective_timeout_s=30") == one_host
+        assert key(stage, root) != one_host
