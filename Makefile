@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PRESET ?= tiny
 ARGS ?=
 
-.PHONY: setup sglang-env speedrun test test-fast bench serve clean
+.PHONY: setup sglang-env speedrun test test-fast test-cluster cluster cluster-tools bench serve clean
 
 setup: $(VENV)/.installed $(VENV)/.kernels
 
@@ -41,7 +41,7 @@ sglang-env: setup
 # processes starting (servers, ranks, CLI runs) as much as they compute, and one worker alone left
 # a core idle for about 40 % of the suite. The 15 slowest tests are listed at the end.
 PYTEST_WORKERS ?= 2
-test: setup
+test: setup cluster-tools
 	$(BIN)/python -m deployments.sglang_env build --device cpu
 	$(BIN)/python -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
@@ -49,6 +49,21 @@ test: setup
 # weights; no Prefect server is started for them). See docs/testing.md.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The several-machine tests (tests/test_cluster.py) simulate hosts with Linux namespaces, as root, each
+# with its own sshd; DeepSpeed's runner fans out with pdsh. Installed here where missing (Debian).
+cluster-tools:
+	@if [ "$$(id -u)" = 0 ] && ! { test -x /usr/sbin/sshd && command -v pdsh >/dev/null && command -v ip >/dev/null; }; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client pdsh iproute2 >/dev/null) \
+		|| echo "posttrain: could not install openssh-server and pdsh; the cluster tests will skip and say so"; fi
+
+# The cluster tests alone (about 10 min on 2 cores), none skipped when run as root.
+test-cluster: setup cluster-tools
+	$(BIN)/python -m pytest -q -ra tests/test_cluster.py
+
+# Three simulated hosts for a person to try by hand (docs/cluster.md); Ctrl-C tears them down.
+cluster: setup cluster-tools
+	$(BIN)/python -m tests.cluster
 
 # TRL (the bench extra, pinned in constraints.txt) is installed into the same environment, beside
 # posttrain's own pins: both tools then run on the same torch and transformers.

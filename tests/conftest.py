@@ -240,7 +240,8 @@ def smollm2(smollm2_gguf):
 # end. Tests keep their order within a file; the rest follow in their usual order. The two files
 # with the most SGLang server starts do not start side by side: in that order (test_deployments
 # first) the same suite took 2,067 s of pytest, in this one 1,893 s.
-LONGEST_FIRST = ["test_sglang_pipeline",   # 583
+LONGEST_FIRST = ["test_cluster",           # 600 (three simulated hosts)
+                 "test_sglang_pipeline",   # 583
                  "test_determinism_load",  # 380 (squeezed runs)
                  "test_deployments",       # 626
                  "test_multirank",         # 308

@@ -1,0 +1,340 @@
+"""Several machines, simulated: three hosts (network, mount, PID and UTS namespaces, tests/cluster.py)
+on one bridge, each with its own sshd, /tmp, home and working folder; host A runs moto's S3 server,
+the artifact store every host shares (no host sees another's disk). DeepSpeed's own runner fans the
+ranks out over ssh/pdsh from its hostfile, gloo on eth0.
+
+- one rank on each of two hosts gives the weights of two ranks on one host, bit for bit (SFT, GRPO);
+- a rank SIGKILLed on host B, and host B's cable pulled, each fail the stage within the configured
+  bound, naming the host and the rank, leave no posttrain process on any host, and a retry resumes
+  from the last checkpoint committed in S3 and ends bit-identical to the uninterrupted run;
+- a host that cannot run the ranks (unreachable, no Python there, another source) is refused by
+  --dry-run and by the stage's preflight before anything starts.
+
+The cluster is built once for the module (about a second); every posttrain command runs on host A.
+Skipped, with the reason, where namespaces cannot be made (not root, no sshd or pdsh: `make
+test-cluster` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests import cluster as cl
+from tests.test_multirank import BASE
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(cl.unavailable() is not None, reason=f"no simulated cluster "
+                                                   f"here: {cl.unavailable()} (make test-cluster installs sshd and pdsh)")]
+
+PY = str(cl.REPO / ".venv" / "bin" / "python")
+S3_PORT = 9000
+BUCKET = "posttrain"
+SECRET = f"cluster-{uuid.uuid4().hex}"
+TIMEOUT_S = 20  # deepspeed.collective_timeout_s: how long a lost host can hold up the stage
+HOSTFILE = "/srv/hostfile"
+ONE_HOST = ["sft.grad_accum=1", "sft.deepspeed.ranks_per_node=2", "grpo.deepspeed.ranks_per_node=2"]
+TWO_HOSTS = ["sft.grad_accum=1"] + [f"{s}.deepspeed.{k}" for s in ("sft", "grpo") for k in (
+    "nodes=2", f"hostfile={HOSTFILE}", "interface=eth0", f"collective_timeout_s={TIMEOUT_S}")]
+STAGES = ("prepare_data", "tokenizer", "sft")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = cl.Cluster(tmp_path_factory.mktemp("cluster"))
+    c.up()
+    a = c.host("a")
+    try:
+        c.popen("a", [PY, "-m", "moto.server", "-H", a.address, "-p", str(S3_PORT)], log=c.root / "moto.log")
+        c.run("a", [PY, "-c", _WAIT_AND_MAKE_BUCKET], env=env(c), timeout=120)
+        c.run("a", f"printf 'host-a slots=1\\nhost-b slots=1\\nhost-c slots=1\\n' > {HOSTFILE}")
+        yield c
+    finally:
+        c.down()
+
+
+_WAIT_AND_MAKE_BUCKET = f"""
+import time, boto3
+for _ in range(600):
+    try:
+        boto3.client("s3").create_bucket(Bucket="{BUCKET}")
+        break
+    except Exception:
+        time.sleep(0.1)
+else:
+    raise SystemExit("moto did not start")
+"""
+
+
+def env(c: cl.Cluster, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What a user's shell on host A holds: the S3 store's address and keys, one thread a rank (as two
+    local ranks on a 2-core host get: the same numerics on one host and on two), the tests importable
+    (the module's reward)."""
+    return {"AWS_ENDPOINT_URL": f"http://{c.host('a').address}:{S3_PORT}", "AWS_ACCESS_KEY_ID": "cluster-key",
+            "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(cl.REPO), "MLFLOW_TRACKING_URI": "sqlite:////srv/mlflow.db", **(extra or {})}
+
+
+class Run:
+    """A posttrain command on host A, its output read line by line as it comes (each with the time it
+    came), so that a test can act at a point of the run."""
+
+    def __init__(self, c: cl.Cluster, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.json = f"/srv/result-{uuid.uuid4().hex[:8]}.json"
+        cmd = [str(cl.REPO / ".venv" / "bin" / "posttrain"), *args, "--json", self.json]
+        self.proc = subprocess.Popen(c.enter("a") + cmd, env=c.env(env(c, extra_env)), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        self.c = c
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, pattern: str, timeout: float = 900) -> float:
+        """The time the first line matching `pattern` came."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if re.search(pattern, line):
+                    return t
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"the run ended before {pattern!r}:\n{self.text()[-6000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f}s:\n{self.text()[-6000:]}")
+
+    def finish(self, timeout: float = 1500) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=30)
+        self.ended = time.monotonic()
+        return code
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def result(self) -> dict:
+        return json.loads(self.c.run("a", ["cat", self.json]).stdout)
+
+
+def posttrain(c: cl.Cluster, command: str, root: str, extra: list[str], env_extra: dict | None = None,
+              expect_ok: bool = True, flags: tuple[str, ...] = ()) -> Run:
+    sets = [a for o in BASE + [f"artifact_root=s3://{BUCKET}/{root}"] + extra for a in ("--set", o)]
+    run = Run(c, [command, "--preset", "tiny", *flags, *sets], env_extra)
+    code = run.finish()
+    if expect_ok:
+        assert code == 0, f"posttrain {command} on {root} exited with code {code}:\n{run.text()[-8000:]}"
+    else:
+        assert code != 0, f"posttrain {command} on {root} should have failed:\n{run.text()[-4000:]}"
+    return run
+
+
+def s3_json(c: cl.Cluster, url: str) -> dict:
+    code = f"import json, s3fs; print(json.dumps(json.loads(s3fs.S3FileSystem().cat({url!r}))))"
+    return json.loads(c.run("a", [PY, "-c", code], env=env(c)).stdout)
+
+
+def s3_list(c: cl.Cluster, url: str) -> list[str]:
+    code = f"import json, s3fs; print(json.dumps(s3fs.S3FileSystem().find({url!r})))"
+    return json.loads(c.run("a", [PY, "-c", code], env=env(c)).stdout)
+
+
+def seed(c: cl.Cluster, source: str, dest: str) -> None:
+    """Copy the committed upstream results (data, tokenizer, SFT) of one root to another, each
+    manifest's uri pointing at its copy: a run on `dest` finds them as cache hits."""
+    code = f"""
+import json, s3fs
+fs = s3fs.S3FileSystem()
+src, dst = "{BUCKET}/{source}", "{BUCKET}/{dest}"
+for stage in {STAGES!r}:
+    for m in fs.glob(f"{{src}}/{{stage}}/*/manifest.json"):
+        folder = m.rsplit("/", 1)[0]
+        for f in fs.find(folder):
+            if "/checkpoints/" not in f:
+                fs.copy(f, dst + f[len(src):])
+        copy = dst + m[len(src):]
+        manifest = json.loads(fs.cat(copy))
+        fs.pipe(copy, json.dumps({{**manifest, "uri": "s3://" + copy.rsplit("/", 1)[0]}}).encode())
+"""
+    c.run("a", [PY, "-c", code], env=env(c), timeout=300)
+
+
+def stage(result: dict, name: str) -> dict:
+    return next(s for s in result["stages"] if s["stage"] == name)
+
+
+def manifest(c: cl.Cluster, result: dict, name: str) -> dict:
+    return s3_json(c, stage(result, name)["uri"] + "/manifest.json")
+
+
+def state_hash(c: cl.Cluster, result: dict, name: str) -> str:
+    m = manifest(c, result, name)
+    return m["result"]["state_hash"] if name == "sft" else m["state_hash"]
+
+
+def posttrain_processes(c: cl.Cluster, letter: str, wait_s: float = 30.0) -> list[tuple[int, str]]:
+    """Host `letter`'s posttrain processes (ranks, launchers, wrappers), waited for up to `wait_s`: a
+    killed process leaves the table a moment after its signal. Host A's S3 server is not one."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [(pid, args) for pid, args in c.processes(letter)
+                if "python" in args and "moto.server" not in args or "pdsh" in args or "deepspeed" in args]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- the cluster itself
+
+
+def test_hosts_are_separate_machines_on_an_isolated_network(cluster):
+    for letter, host in cluster.hosts.items():
+        assert cluster.run(letter, ["hostname"]).stdout.strip() == host.name
+        routes = cluster.run(letter, ["ip", "-4", "route"]).stdout.strip().splitlines()
+        assert routes == [f"198.18.0.0/24 dev eth0 proto kernel scope link src {host.address}"], routes
+        # its own /srv: what one host writes there, no other sees
+        cluster.run(letter, f"echo {letter} > /srv/mine")
+    for letter in cluster.hosts:
+        assert cluster.run(letter, ["cat", "/srv/mine"]).stdout.strip() == letter
+    # the hosts reach each other over ssh (keys only), and nothing beyond the bridge
+    assert cluster.run("a", ["ssh", "host-b", "hostname"]).stdout.strip() == "host-b"
+    assert cluster.run("a", ["pdsh", "-R", "ssh", "-w", "host-b,host-c", "hostname"]).stdout.count("host-") == 4
+    probe = "import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)"
+    out = cluster.run("b", [PY, "-c", probe], check=False)
+    assert out.returncode != 0 and "Network is unreachable" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- stages across hosts
+
+
+@pytest.fixture(scope="module")
+def one_host(cluster):
+    """SFT and GRPO with two ranks on host A: the reference."""
+    run = posttrain(cluster, "grpo", "one", ONE_HOST)
+    return run.result()
+
+
+@pytest.fixture(scope="module")
+def two_hosts(cluster):
+    """SFT and GRPO with one rank on host A and one on host B."""
+    run = posttrain(cluster, "grpo", "two", TWO_HOSTS)
+    return run, run.result()
+
+
+def test_two_hosts_train_the_weights_of_two_ranks_on_one_host(cluster, one_host, two_hosts):
+    run, result = two_hosts
+    for name in ("sft", "grpo"):
+        assert not stage(result, name)["cache_hit"]
+        assert state_hash(cluster, result, name) == state_hash(cluster, one_host, name), name
+    # each rank's output reaches the task's log, prefixed by its host (pdsh) and rank (trainer.hosts)
+    text = run.text()
+    assert re.search(r"host-b: \[rank 1\] ", text), text[-4000:]
+    assert re.search(r"posttrain-rank-status rank=1 host=host-b ok", text), text[-4000:]
+    # the checkpoints travel through S3 (marker last); host B keeps nothing of the launch
+    files = s3_list(cluster, stage(result, "grpo")["uri"] + "/checkpoints")
+    assert [f for f in files if f.endswith("/COMMITTED")], files
+    assert not posttrain_processes(cluster, "b")
+    assert cluster.run("b", "ls /root/.cache/posttrain/launches 2>/dev/null | wc -l").stdout.strip() == "0"
+    timings = {k: round(stage(r, "grpo")["wall_seconds"], 1) for k, r in
+               (("one host", one_host), ("two hosts", result))}
+    print(f"GRPO stage seconds: {timings}")
+
+
+def test_a_cached_result_is_the_same_on_one_host_or_two(cluster, two_hosts):
+    """Where the ranks run is not part of the key: two ranks on host A hit two hosts' results."""
+    run = posttrain(cluster, "grpo", "two", ONE_HOST)
+    assert all(s["cache_hit"] for s in run.result()["stages"]), run.result()["stages"]
+
+
+# ---------------------------------------------------------------- a lost host costs a retry
+
+
+def _failed_cleanly(c: cl.Cluster, run: Run, fault_at: float, root: str) -> float:
+    seconds = run.ended - fault_at
+    text = run.text()
+    assert "rank 1 on host-b" in text, text[-6000:]
+    # within the bound: the collective timeout, the launcher's grace and ssh's dead-peer check
+    assert seconds < TIMEOUT_S + 30 + 60, seconds
+    for letter in ("a", "b"):
+        assert not posttrain_processes(c, letter, wait_s=TIMEOUT_S + 30), (letter, c.processes(letter))
+    # in S3 no result, and only committed checkpoints (each marker lists what is there)
+    ckpts = f"{BUCKET}/{root}/grpo"
+    files = s3_list(c, ckpts)
+    assert not [f for f in files if f.endswith("/manifest.json")], files
+    return seconds
+
+
+@pytest.mark.parametrize("fault", ["kill", "link"])
+def test_a_lost_host_fails_the_stage_and_a_retry_resumes_bit_identical(cluster, one_host, two_hosts, fault):
+    root = f"fault-{fault}"
+    seed(cluster, "two", root)
+    sets = [a for o in BASE + [f"artifact_root=s3://{BUCKET}/{root}"] + TWO_HOSTS for a in ("--set", o)]
+    if fault == "kill":  # the rank on host B is SIGKILLed after round 3's update (before its checkpoint)
+        run = Run(cluster, ["grpo", "--preset", "tiny", *sets], {"POSTTRAIN_FAULT": "grpo_after_update@3:kill:1"})
+        fault_at = run.wait_for(r"rank=1 host=host-b killed by signal 9")
+    else:  # host B's cable is pulled once round 2's checkpoint is committed
+        run = Run(cluster, ["grpo", "--preset", "tiny", *sets])
+        run.wait_for(r"checkpoint step0*2 committed|round 3")
+        cluster.link("b", False)
+        fault_at = time.monotonic()
+    try:
+        code = run.finish()
+    finally:
+        cluster.link("b", True)
+    assert code != 0, run.text()[-4000:]
+    seconds = _failed_cleanly(cluster, run, fault_at, root)
+
+    retry = posttrain(cluster, "grpo", root, TWO_HOSTS)
+    result = retry.result()
+    assert "resumed" in retry.text(), retry.text()[-4000:]
+    m = manifest(cluster, result, "grpo")
+    assert m["resumed_from_round"] == 2, m
+    assert state_hash(cluster, result, "grpo") == state_hash(cluster, one_host, "grpo")
+    print(f"fault {fault}: failed {seconds:.1f}s after the fault; retry resumed from round 2, "
+          f"state {state_hash(cluster, result, 'grpo')} = uninterrupted")
+
+
+def test_a_host_that_cannot_run_the_ranks_is_refused_before_anything_starts(cluster, two_hosts):
+    """Host B unreachable, host C without the Python or with other sources: --dry-run names each,
+    and the stage's own preflight refuses before it starts a rank."""
+    c = cluster
+    c.run("a", f"printf 'host-a slots=1\\nhost-b slots=1\\n' > /srv/hostfile-ab; "
+               f"printf 'host-a slots=1\\nhost-c slots=1\\n' > /srv/hostfile-ac")
+    ab = [o.replace(HOSTFILE, "/srv/hostfile-ab") for o in TWO_HOSTS]
+    ac = [o.replace(HOSTFILE, "/srv/hostfile-ac") for o in TWO_HOSTS]
+    c.link("b", False)
+    try:
+        dry = posttrain(c, "grpo", "two", ab, expect_ok=False, flags=("--dry-run",))
+        assert re.search(r"host-b: ssh failed", dry.text()), dry.text()[-3000:]
+        root = "unreachable"
+        seed(c, "two", root)
+        t0 = time.monotonic()
+        run = posttrain(c, "grpo", root, ab, expect_ok=False)
+        assert re.search(r"host-b: ssh failed.*nothing was started|nothing was started[\s\S]*host-b: ssh failed",
+                         run.text()), run.text()[-3000:]
+        assert not [f for f in s3_list(c, f"{BUCKET}/{root}/grpo") if "/checkpoints/" in f]
+        print(f"unreachable host refused in {time.monotonic() - t0:.1f}s")
+    finally:
+        c.link("b", True)
+    # host C runs other sources (one file edited there), then has no Python at this path
+    c.run("c", f"cp -r {cl.REPO}/trainer /tmp/trainer && echo '# edited' >> /tmp/trainer/hosts.py && "
+               f"mount --bind /tmp/trainer {cl.REPO}/trainer")
+    try:
+        dry = posttrain(c, "grpo", "two", ac, expect_ok=False, flags=("--dry-run",))
+        assert re.search(r"host-c runs posttrain source \w+, this machine \w+", dry.text()), dry.text()[-3000:]
+    finally:
+        c.run("c", f"umount {cl.REPO}/trainer")
+    c.run("c", f"mkdir -p /tmp/empty && mount --bind /tmp/empty {cl.REPO}/.venv")
+    try:
+        dry = posttrain(c, "grpo", "two", ac, expect_ok=False, flags=("--dry-run",))
+        assert re.search(r"host-c: there is no Python at \S+ there", dry.text()), dry.text()[-3000:]
+    finally:
+        c.run("c", f"umount {cl.REPO}/.venv")
