@@ -43,6 +43,7 @@ def run_pipeline(preset: str, overrides: list[str], until: str | None, flow_name
     preflight.check(cfg)  # a custom environment or reward that cannot be used stops the run here
     stages.check_servers(cfg, until)  # ... and SGLang servers that cannot start here
     preflight.check_root(cfg)  # ... and an artifact_root that cannot hold results, before any MLflow run
+    stages.check_hosts(cfg, until, stages.downstream(recompute))  # ... and hosts that cannot run a stage's ranks
     fault = (fault or {}) if first_attempt() else {}
     results: dict[str, dict | None] = {}
     with pipeline_run(cfg, flow_name, stages.downstream(recompute), nightly, source) as run:

@@ -227,6 +227,25 @@ def check_servers(cfg: RunConfig, until_row: str | None) -> None:
         raise ConfigError(problem)
 
 
+def check_hosts(cfg: RunConfig, until_row: str | None, recompute: frozenset[str] = frozenset()) -> None:
+    """Raises HostError when a training row up to `until_row` that will run (no committed result, or
+    recomputed) launches its ranks on hosts of a hostfile that cannot run them: before any stage, not
+    after an hour of SFT. A run whose launched stages are all cached needs none of the hosts."""
+    from trainer import launch
+
+    checked: set[tuple[str, ...]] = set()
+    for row_, *_, where in resolved(cfg, until_row):
+        ds = {"sft": cfg.sft.deepspeed, "control": cfg.sft.deepspeed, "grpo": cfg.grpo.deepspeed}.get(row_.kind)
+        if ds is None or not ds.hostfile or ds.nodes < 2:
+            continue
+        if where is not None and where.manifest is not None and row_.name not in recompute:
+            continue
+        hosts = launch.placement(row_.kind, ds)
+        if tuple(hosts) not in checked:
+            launch.check_hosts(row_.kind, hosts, ds.interface)
+            checked.add(tuple(hosts))
+
+
 def downstream(recompute: list[str] | tuple[str, ...] | frozenset[str]) -> frozenset[str]:
     """The rows to recompute, by name: every row of a named kind, and every row that reads (through
     any number of rows) from one of those. Rows, not kinds: `--recompute grpo` recomputes the eval

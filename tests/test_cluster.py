@@ -52,7 +52,8 @@ def cluster(tmp_path_factory):
     try:
         c.popen("a", [PY, "-m", "moto.server", "-H", a.address, "-p", str(S3_PORT)], log=c.root / "moto.log")
         c.run("a", [PY, "-c", _WAIT_AND_MAKE_BUCKET], env=env(c), timeout=120)
-        c.run("a", f"printf 'host-a slots=1\\nhost-b slots=1\\nhost-c slots=1\\n' > {HOSTFILE}")
+        for letter in c.hosts:  # the same hostfile on every host: each puts itself first
+            c.run(letter, f"printf 'host-a slots=1\\nhost-b slots=1\\nhost-c slots=1\\n' > {HOSTFILE}")
         yield c
     finally:
         c.down()
@@ -84,11 +85,13 @@ class Run:
     """A posttrain command on host A, its output read line by line as it comes (each with the time it
     came), so that a test can act at a point of the run."""
 
-    def __init__(self, c: cl.Cluster, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, c: cl.Cluster, args: list[str], extra_env: dict[str, str] | None = None,
+                 on: str = "a") -> None:
         self.lines: list[tuple[float, str]] = []
         self.json = f"/srv/result-{uuid.uuid4().hex[:8]}.json"
+        self.on = on
         cmd = [str(cl.REPO / ".venv" / "bin" / "posttrain"), *args, "--json", self.json]
-        self.proc = subprocess.Popen(c.enter("a") + cmd, env=c.env(env(c, extra_env)), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(c.enter(on) + cmd, env=c.env(env(c, extra_env)), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
         self.c = c
@@ -122,13 +125,13 @@ class Run:
         return "\n".join(line for _, line in self.lines)
 
     def result(self) -> dict:
-        return json.loads(self.c.run("a", ["cat", self.json]).stdout)
+        return json.loads(self.c.run(self.on, ["cat", self.json]).stdout)
 
 
 def posttrain(c: cl.Cluster, command: str, root: str, extra: list[str], env_extra: dict | None = None,
-              expect_ok: bool = True, flags: tuple[str, ...] = ()) -> Run:
+              expect_ok: bool = True, flags: tuple[str, ...] = (), on: str = "a") -> Run:
     sets = [a for o in BASE + [f"artifact_root=s3://{BUCKET}/{root}"] + extra for a in ("--set", o)]
-    run = Run(c, [command, "--preset", "tiny", *flags, *sets], env_extra)
+    run = Run(c, [command, "--preset", "tiny", *flags, *sets], env_extra, on=on)
     code = run.finish()
     if expect_ok:
         assert code == 0, f"posttrain {command} on {root} exited with code {code}:\n{run.text()[-8000:]}"
@@ -338,3 +341,28 @@ def test_a_host_that_cannot_run_the_ranks_is_refused_before_anything_starts(clus
         assert re.search(r"host-c: there is no Python at \S+ there", dry.text()), dry.text()[-3000:]
     finally:
         c.run("c", f"umount {cl.REPO}/.venv")
+
+
+# ---------------------------------------------------------------- any host runs any stage
+
+
+def test_more_rounds_asked_on_host_b_continue_from_host_a_checkpoint(cluster, two_hosts):
+    """Host B (its own disk, its own MLflow store) asks the same GRPO for 6 rounds: the upstream
+    stages are cache hits read from S3, and GRPO continues from round 4's checkpoint, which host A's
+    rank 0 committed there; rank 0 now runs on host B, rank 1 on host A."""
+    _, before = two_hosts
+    grpo_uri = stage(before, "grpo")["uri"]
+    history_before = s3_json(cluster, grpo_uri + "/manifest.json")
+    run = posttrain(cluster, "grpo", "two", TWO_HOSTS + ["grpo.rounds=6"], on="b")
+    result = run.result()
+    assert all(stage(result, s)["cache_hit"] for s in STAGES), result["stages"]
+    assert not stage(result, "grpo")["cache_hit"] and stage(result, "grpo")["uri"] == grpo_uri
+    assert re.search(r"continuing the result at \S+ from 4 to 6, from the checkpoint step\w+ committed at s3://",
+                     run.text()), run.text()[-4000:]
+    assert re.search(r"host-a: \[rank 1\] ", run.text()), run.text()[-4000:]
+    m = manifest(cluster, result, "grpo")
+    assert m["resumed_from_round"] == 4 and m["state_hash"] != history_before["state_hash"], m
+    code = f"import s3fs; print(s3fs.S3FileSystem().cat({grpo_uri + '/history.jsonl'!r}).decode())"
+    rounds = [json.loads(line) for line in cluster.run("b", [PY, "-c", code], env=env(cluster)).stdout.splitlines()
+              if line.strip()]
+    assert [h["round"] for h in rounds] == list(range(1, 7)) or len(rounds) == 6, rounds
