@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.procwatch import process_gone
+
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "198.18.0"
 PREFIX = "ptc"  # namespace names: ptc<builder pid>-<host letter>, ptc<builder pid>-sw for the bridge
@@ -69,23 +71,13 @@ def unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep() -> None:
     """Remove the namespaces of clusters whose builder is gone (a SIGKILLed test run)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         owner = name[len(PREFIX):].partition("-")[0] if name.startswith(PREFIX) else ""
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and process_gone(int(owner)):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
