@@ -231,7 +231,11 @@ def _upload(tag_dir: Path, url: str, files: dict[str, int]) -> dict[str, int]:
 
 def mirror_tags(mirror: str) -> list[str]:
     """The checkpoints committed at `mirror`, oldest first."""
-    listed = storage.list_files(mirror)
+    return _committed_at(storage.list_files(mirror))
+
+
+def _committed_at(listed: dict[str, int]) -> list[str]:
+    """The tags with a COMMITTED marker in a mirror's listing, oldest first."""
     return sorted(rel.split("/")[0] for rel in listed if rel.count("/") == 1 and rel.endswith("/" + COMMITTED)
                   and rel.startswith("step"))
 
@@ -240,12 +244,12 @@ def _prune_mirror(mirror: str, keep: int) -> None:
     """Keep the newest `keep` committed checkpoints at `mirror`; each older one loses its marker first,
     so that no reader ever finds a marker whose files are going. Uncommitted tags older than the newest
     committed one (a save that failed) go too."""
-    tags = mirror_tags(mirror)
+    listed = storage.list_files(mirror)
+    tags = _committed_at(listed)
     if not tags:
         return
     old = set(tags[:-keep])
-    listed = {rel.split("/")[0] for rel in storage.list_files(mirror) if rel.startswith("step")}
-    old |= {t for t in listed if t < tags[-1] and t not in tags}
+    old |= {t for t in {rel.split("/")[0] for rel in listed if rel.startswith("step")} if t < tags[-1] and t not in tags}
     for tag in sorted(old):
         try:
             storage.remove(storage.join(mirror, tag, COMMITTED))
@@ -388,11 +392,7 @@ def _download(ckpt_dir: Path, url: str, tag: str) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     part = ckpt_dir / f".{tag}.download"
     shutil.rmtree(part, ignore_errors=True)
-    fs, path = storage.fs_for(url)
-    for rel in sorted(listed):
-        (part / rel).parent.mkdir(parents=True, exist_ok=True)
-        storage._retrying("download", storage.join(url, rel),
-                          lambda rel=rel: fs.get_file(f"{path.rstrip('/')}/{rel}", str(part / rel)))
+    storage.get_files(url, list(listed), part)
     storage.write_json(str(part / COMMITTED), {"step": int(tag[4:]), "files": listed})
     if problem := damage(part):
         shutil.rmtree(part, ignore_errors=True)

@@ -19,7 +19,7 @@ and dies with it (SIGKILL): no rank outlives its launch.
 
 `clean` stops every process of a launch (they carry POSTTRAIN_LAUNCH_ID in their environment) and
 removes the launch's folder. Standard library only: a host's check must answer even where posttrain's
-dependencies fail to import.
+dependencies fail to import (trainer.procwatch and trainer.local_launch are standard library only too).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from trainer.local_launch import rank_threads
+from trainer.procwatch import process_gone
 
 LAUNCH_ID = "POSTTRAIN_LAUNCH_ID"
 STATUS = "posttrain-rank-status"  # the last line of each rank: `posttrain-rank-status rank=R host=H ok|...`
@@ -148,7 +151,7 @@ def rank(launch: str, local_rank: int) -> int:
     env.update(json.loads((folder / "env.json").read_text()))
     env[LAUNCH_ID] = launch
     if "OMP_NUM_THREADS" not in env:  # this host's cores, shared by its ranks (as trainer.local_launch does)
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // int(env.get("LOCAL_SIZE", "1"))))
+        env["OMP_NUM_THREADS"] = str(rank_threads(int(env.get("LOCAL_SIZE", "1"))))
     global_rank = env.get("RANK", str(local_rank))
     host = socket.gethostname()
     prefix = f"[rank {global_rank}] "
@@ -231,17 +234,10 @@ def clean(launch: str) -> list[int]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + (GRACE_S if sig == signal.SIGTERM else 0)
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in pids):
+        while time.monotonic() < deadline and any(not process_gone(p) for p in pids):
             time.sleep(0.1)
     shutil.rmtree(launch_dir(launch), ignore_errors=True)
     return pids
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,7 +212,7 @@ def check_host(host: str, request: dict, interface: str | None) -> tuple[dict | 
     python = [sys.executable, "-m", "trainer.hosts", "check"]
     code, out, err = _ssh(host, python, json.dumps(request))
     last = (err.strip().splitlines() or [""])[-1][:300]
-    if code == -1 or code == -2:
+    if code < 0:  # no answer in time, or no ssh client here
         return None, f"{host}: ssh: {err}"
     if code == 255:
         return None, (f"{host}: ssh failed ({last or 'exit 255'}); check that `ssh {host}` works from this machine "

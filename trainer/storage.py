@@ -290,6 +290,17 @@ def put_dir(local_dir: str | Path, url: str, skip: tuple[str, ...] = ()) -> None
                 str(f), target, chunksize=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_PARTS_IN_FLIGHT))
 
 
+def get_files(url: str, rels: list[str], local_dir: str | Path) -> None:
+    """Copy the files `rels` (relative paths) under `url` into the local folder `local_dir`: put_dir's
+    other way, each file retried as every store operation is."""
+    fs, path = fs_for(url)
+    for rel in sorted(rels):
+        target = Path(local_dir) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _retrying("download", join(url, rel), lambda rel=rel, target=target: fs.get_file(
+            f"{path.rstrip('/')}/{rel}", str(target)))
+
+
 def replace_dir(new: Path, dest: Path) -> None:
     """Put the local folder `new` where `dest` is: `dest` stays whole until a rename moves it aside."""
     old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
