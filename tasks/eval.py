@@ -35,7 +35,9 @@ def body(cfg, inputs: dict, ref, fault: dict):
 
             engine = launch_sglang(cfg, model)
             if cfg.rollout.sglang.urls:  # servers run by someone else serve what they last loaded
-                engine.update_weights(str(path))
+                from trainer.inference.store_sync import load_once
+
+                load_once(engine, cfg.rollout.sglang.weight_sync, cfg.artifact_root, path, f"{work.name}@model")
         else:
             policy = load_model(path, cfg.model.dtype).to(device())
         logger.set_tags({"posttrain.answered_by": "sglang" if engine is not None else "hf generate"})

@@ -215,6 +215,9 @@ def plan_grpo(cfg: RunConfig, row, folder: str, inputs: dict, notes: list[str], 
         return lines
     if r.sglang.urls:
         lines.append(f"  rollouts: SGLang servers {', '.join(r.sglang.urls)} (each group on one server, round-robin)")
+        if r.sglang.weight_sync == "store":
+            lines.append(f"  weights: each round's uploaded under {storage.join(cfg.artifact_root, 'rollout-weights')}/"
+                         " (READY last), loaded by each server's posttrain front (trainer.inference.rollout_host)")
         return lines
     model_url = storage.join(cfg.artifact_root, "sft", inputs["sft"]["key"], "model")
     model_path = (f"<a download of {model_url} into $POSTTRAIN_CACHE>" if storage.is_remote(model_url)

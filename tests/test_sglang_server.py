@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -725,6 +726,96 @@ def test_refused_update_names_server_and_path_and_keeps_old_weights(servers, tin
         lock.unlink(missing_ok=True)
 
 
+def test_a_reply_from_weights_someone_else_loaded_fails_the_round(servers, base_model, tiny_tokenizer):
+    """Every update names its weights' version and every reply must carry it: a server whose
+    weights another client swapped (here only its version, as SGLang's /update_weight_version
+    does) fails the round, naming the server and both versions, instead of serving stale weights."""
+    import requests
+
+    path, _ = base_model
+    prompts = prompts_for(tiny_tokenizer, 4)
+    try:
+        servers.update_weights(str(path), "mine@1")
+        assert servers.version == "mine@1"
+        greedy(servers, prompts)  # every reply carries mine@1
+        url = servers.servers[0].url
+        reply = requests.post(f"{url}/update_weight_version", json={"new_version": "theirs@7",
+                                                                    "abort_all_requests": False}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        with pytest.raises(SGLangError) as err:
+            greedy(servers, prompts)
+        msg = str(err.value)
+        assert url in msg and "'theirs@7'" in msg and "'mine@1'" in msg and "own" in msg
+    finally:
+        servers.update_weights(str(path))
+    assert servers.version is None
+
+
+def test_a_server_without_posttrains_front_refuses_store_sync_and_says_what_to_run(servers, base_model, tmp_path):
+    from trainer.inference.store_sync import WeightStore
+
+    path, _ = base_model
+    with pytest.raises(SGLangError) as err:
+        WeightStore(str(tmp_path / "store"), "grpo-x").publish(path, "grpo-x@1", servers)
+    msg = str(err.value)
+    assert "HTTP 404" in msg and "trainer.inference.rollout_host" in msg and servers.servers[0].url in msg
+
+
+def test_a_rollout_host_loads_each_version_from_the_store_and_refuses_an_uncommitted_one(
+        servers, base_model, tiny_tokenizer, tmp_path):
+    """trainer/inference/rollout_host.py, the front a server on another machine runs behind: it
+    starts SGLang on a folder, passes /generate through, loads each version the trainer publishes
+    in the store (here a local folder; across machines S3, tests/test_cluster.py) and removes the
+    previous one, refuses a folder whose READY marker is missing, and stops its server with itself."""
+    import shutil
+
+    import requests
+
+    from trainer.inference import store_sync
+    from trainer.inference.engines import HFEngine
+    from trainer.inference.store_sync import WeightStore
+
+    path, _ = base_model
+    other = save_model(tiny_tokenizer, tmp_path / "other", seed=1)
+    base = free_base_port(2)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.inference.rollout_host", "--model", str(path),
+                             "--listen", f"127.0.0.1:{base}", "--server-port", str(base + 1), "--device", "cpu",
+                             "--dtype", "float32"], env={**os.environ, "PYTHONPATH": str(STANDIN)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        front = SGLangEngine([sglang._Server(f"http://127.0.0.1:{base}")], tiny_tokenizer, request_timeout_s=120)
+        front.wait_healthy(300)
+        prompts = prompts_for(tiny_tokenizer, 6)
+        assert [g.token_ids for g in greedy(front, prompts)] == [g.token_ids for g in greedy(servers, prompts)]
+        store = WeightStore(str(tmp_path / "store"), "grpo-x")
+        seconds = store.publish(tmp_path / "other", "grpo-x@1", front)
+        assert front.version == "grpo-x@1" and seconds["weights_mb"] > 0
+        first = store.published
+        same, max_d, mean_d = compare(greedy(HFEngine(other, tiny_tokenizer), prompts), greedy(front, prompts))
+        assert same == len(prompts) and max_d < MAX_DIFF, (same, max_d)
+        store.publish(path, "grpo-x@2", front)
+        assert not Path(first).exists() and Path(store.published, store_sync.READY).exists()
+        # a folder whose READY marker is not written yet: refused, the old weights kept
+        half = tmp_path / "store" / "half"
+        shutil.copytree(tmp_path / "other", half)
+        reply = requests.post(f"http://127.0.0.1:{base}{sglang.STORE_PATH}", json={"url": str(half), "version": "h"},
+                              timeout=60)
+        assert reply.status_code == 400 and "not committed" in reply.json()["message"], reply.text
+        assert [g.token_ids for g in greedy(front, prompts)] == [g.token_ids for g in greedy(servers, prompts)]
+        store.clear()
+        assert not (tmp_path / "store" / "rollout-weights" / "grpo-x").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-3000:]
+    deadline = time.monotonic() + 30
+    while port_taken("127.0.0.1", base + 1) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not port_taken("127.0.0.1", base + 1), "the front's SGLang server outlived it"
+    scratch = re.search(r"scratch (\S+)\)", out).group(1)  # where it kept the weights it loaded
+    assert not Path(scratch).exists(), scratch
+
+
 def test_async_rounds_overlap_updates_and_drain_before_each_weight_update(servers, base_model, tiny_tokenizer,
                                                                           tmp_path):
     """async_steps=1 on two real servers: the next round generates while the trainer updates, the
@@ -765,7 +856,8 @@ def test_async_rounds_overlap_updates_and_drain_before_each_weight_update(server
         gens = [e for e in events if e[0] == "generate"]
         loads = [e for e in events if e[0] == "load"]
         updates = [e for e in events if e[0] == "update"]
-        assert len(loads) == 3 and len(updates) == 3
+        # one load at the start (the round-0 policy under its version: the servers may hold other weights), one a round
+        assert len(loads) == 4 and len(updates) == 3
 
         def overlap(a, b):
             return min(a[2], b[2]) - max(a[1], b[1])

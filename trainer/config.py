@@ -290,10 +290,12 @@ class SGLangConfig(Strict):
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, description="a /generate or weight update taking longer fails "
                                      "the round, naming the server")
-    weight_sync: Literal["disk", "tensor"] = Field(
+    weight_sync: Literal["disk", "tensor", "store"] = Field(
         "disk", description="how each round's weights reach the servers: disk (a save_pretrained folder, "
         "update_weights_from_disk) or tensor (update_weights_from_tensor: the tensors in shared memory, no folder; "
-        "servers on this machine only; measured slower in CPU mode, not yet run on GPUs: docs/gpu.md)")
+        "servers on this machine only; measured slower in CPU mode, not yet run on GPUs: docs/gpu.md) or store "
+        "(servers on other machines, each behind posttrain's front, python -m trainer.inference.rollout_host: "
+        "the folder goes through the artifact store, an s3:// artifact_root; docs/cluster.md)")
 
 
 BUILTIN_ENVIRONMENTS = ("calculator", "single_turn")  # built by trainer/rl/envs.py (a test checks the two agree)
@@ -547,9 +549,15 @@ class RunConfig(Strict):
                 "grpo.deepspeed.zero_stage=1 or 2 (optimizer state and gradients sharded, whole weights on "
                 "each rank), or one rank"
             )
+        remote_root = "://" in self.artifact_root and not self.artifact_root.startswith("file://")
+        if self.rollout.sglang.weight_sync == "store" and self.rollout.engine == "sglang" and not remote_root:
+            raise ValueError(
+                f"rollout.sglang.weight_sync=store with artifact_root={self.artifact_root!r}: the servers' machines "
+                "fetch each round's weights from the artifact store, so it must be one they reach: set artifact_root "
+                "to an s3:// URL, or use weight_sync=disk for servers on this machine (docs/cluster.md)")
         for section in ("sft", "grpo"):
             ds = getattr(self, section).deepspeed
-            if ds.nodes > 1 and ("://" not in self.artifact_root or self.artifact_root.startswith("file://")):
+            if ds.nodes > 1 and not remote_root:
                 raise ValueError(
                     f"{section}.deepspeed.nodes={ds.nodes} with artifact_root={self.artifact_root!r}: machines share "
                     "no disk, so the inputs each rank reads, the checkpoints a retry on any host resumes from and "

@@ -117,6 +117,13 @@ class GRPOTrainer:
         # one optimizer step a round: old log-probs from the training forward (False: a separate pass,
         # the pre-0.2 behaviour, kept for the parity test)
         self.reuse_training_logprobs = True
+        # weight_sync=store: each round's weights go to servers on other machines through the store
+        self.weight_store = None
+        if (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "store" and ds.rank() == 0
+                and not isinstance(self.engine, HFEngine)):
+            from trainer.inference.store_sync import WeightStore
+
+            self.weight_store = WeightStore(cfg.artifact_root, self.stage_name())
         state = checkpoint.load_latest(self.ds, self.ckpt_dir, extra=self._extra_engines())
         self.checkpointed: int | None = None  # the round of the newest checkpoint (every rank agrees)
         if state is not None:
@@ -127,8 +134,9 @@ class GRPOTrainer:
             self.consumed = [tuple(x) for x in state.get("consumed", [])]
             self.resumed_from = self.round
             log.info("grpo: resumed at round %d", self.round)
-            # servers were started on the SFT weights: the next rollout must come from the checkpoint's
-            self.push_weights()
+        # servers start on the SFT weights, or whatever weights servers run elsewhere last loaded: the
+        # first rollout comes from this round's policy, loaded under a version every reply is checked against
+        self.push_weights()
         self.last_publish = time.perf_counter()
         if self.async_steps:
             self._start_producer(train, None if state is None else state.get("pending"))
@@ -438,21 +446,39 @@ class GRPOTrainer:
         per_token, report = losses.token_loss(tokens, g)
         return losses.aggregate(per_token, part.mask, g.loss_agg, normaliser=norm), report, part.mask
 
-    def push_weights(self) -> None:
-        """Give an out-of-process rollout engine the policy's current weights (the HF engine shares them)."""
+    def stage_name(self) -> str:
+        """The stage's folder name (its key), the same on every rank and machine: from the checkpoints'
+        mirror where there is one (each machine's work folder is a scratch folder of its own)."""
+        mirror = checkpoint.current_mirror()
+        return mirror.rstrip("/").split("/")[-2] if mirror else self.work_dir.name
+
+    def weight_version(self) -> str:
+        """The name the rollout servers load this round's weights under (the same on every rank):
+        the stage's folder and the round."""
+        return f"{self.stage_name()}@{self.round}"
+
+    def push_weights(self) -> dict[str, float]:
+        """Give an out-of-process rollout engine the policy's current weights (the HF engine shares
+        them), as version `weight_version()`. Returns the seconds of a store sync's parts."""
         if isinstance(self.engine, HFEngine):
-            return
+            return {}
+        version, seconds = self.weight_version(), {}
         # the ranks share the servers: rank 0 reloads them once, the others wait for it
         if getattr(self.engine, "tensor_sync", False):
             with ds.full_weights(self.ds) as weights:  # no folder: the servers copy from this process
                 if weights is not None:
-                    self.engine.update_weights_from_tensors(weights)
+                    self.engine.update_weights_from_tensors(weights, version)
         else:
             model_dir = self.work_dir / "sync"
             ds.export_model(self.ds, self.tok, model_dir)
             if ds.rank() == 0:
-                self.engine.update_weights(str(model_dir))
+                if self.cfg.rollout.sglang.weight_sync == "store":
+                    seconds = self.weight_store.publish(model_dir, version, self.engine)
+                else:
+                    self.engine.update_weights(str(model_dir), version)
         ds.barrier()
+        self.engine.version = version  # every rank checks the replies it gets
+        return seconds
 
     def publish(self, stats: dict[str, float]) -> dict[str, float]:
         """Publish the round's weights (the policy version `self.round`) to the rollout engine, then
@@ -461,7 +487,8 @@ class GRPOTrainer:
         if self.producer is not None:
             self.producer.drain()  # servers serve one version: the rounds in flight finish on theirs
             stats["time/drain_seconds"] = time.perf_counter() - t0
-        self.push_weights()
+        stats.update({f"time/{k}" if k.endswith("seconds") else f"rollout/{k}": v
+                      for k, v in self.push_weights().items()})
         if self.producer is not None:
             self._request(self._last_request())  # version self.round's batch: k + 1 rounds ahead
         stats = {**stats, "time/sync_seconds": time.perf_counter() - t0}
@@ -542,7 +569,11 @@ class GRPOTrainer:
             if self.producer is not None:
                 self.producer.close()
         finally:
-            self.engine.close()
+            try:
+                if self.weight_store is not None:
+                    self.weight_store.clear()
+            finally:
+                self.engine.close()
 
     def export(self, out_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
         """The policy as a save_pretrained folder (merged under LoRA; the adapter alone into adapter_dir)."""

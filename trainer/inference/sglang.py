@@ -19,6 +19,13 @@
 - weights, from disk (the default): POST /update_weights_from_disk
   {"model_path": ...} on every server. SGLang answers 200 `{"success": true}`, or 400
   `{"success": false, "message": ...}` and keeps the old weights.
+- weights, through the artifact store (`weight_sync: store`, servers on other machines): the folder
+  is uploaded under `<artifact_root>/rollout-weights/`, its READY marker written last, and each
+  server's posttrain front (`python -m trainer.inference.rollout_host` on the server's machine)
+  downloads it and loads it from its own disk (POST /posttrain/update_weights_from_store).
+- weight versions: every update names the version it loads (`weight_version`; SGLang then answers
+  each /generate with it in `meta_info.weight_version`). Once a version is loaded, a reply from
+  another one, from weights something else loaded into a server, fails the round, naming the server.
 
 An unreachable server, a dead server process, a time-out or an error reply raises `SGLangError`
 naming the server and what to check. Faults are not retried here: the round fails, the stage's
@@ -55,6 +62,7 @@ PINS_DIR = Path(__file__).resolve().parents[2] / "deployments" / "sglang"
 SERVER_WRAPPER = Path(__file__).resolve().parent / "sglang_server.py"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 TENSOR_CHUNK_BYTES = 512 << 20  # weights in shared memory at once during a tensor sync
+STORE_PATH = "/posttrain/update_weights_from_store"  # trainer/inference/rollout_host.py's own request
 
 
 class SGLangError(InputError):
@@ -360,6 +368,8 @@ class SGLangEngine:
         # the servers' longest prompt + 1 (SGLang's max_req_input_len: the model's context, or its KV
         # pool, less 6), read once they are healthy; None: not known, every prompt is sent as it is
         self.prompt_limit: int | None = None
+        # the weights' version every /generate reply must carry (None: not checked, nothing loaded yet)
+        self.version: str | None = None
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, model_path: str, tok, dtype: str = "bfloat16") -> "SGLangEngine":
@@ -510,6 +520,9 @@ class SGLangEngine:
             reply = reply if isinstance(reply, list) else [reply]
             if len(reply) != len(idx):
                 raise SGLangError(f"SGLang server {server.url} returned {len(reply)} results for {len(idx)} prompts")
+            if self.version is not None:
+                for r in reply:
+                    self._check_version(server, r)
             return [parse_generation(r, prompts[i], self.tok, server.url) for i, r in zip(idx, reply)]
 
         if not pieces:
@@ -536,20 +549,54 @@ class SGLangEngine:
             return max_new_tokens
         return max(0, min(max_new_tokens, self.prompt_limit + 4 - prompt_len))
 
-    def update_weights(self, model_dir: str | None) -> None:
-        """Every server loads the model folder `model_dir`. Raises SGLangError naming the server
-        and the folder if one refuses (it then keeps serving its previous weights)."""
+    def _check_version(self, server: _Server, reply: object) -> None:
+        meta = reply.get("meta_info") if isinstance(reply, dict) else None
+        got = meta.get("weight_version") if isinstance(meta, dict) else None
+        if got != self.version:
+            raise SGLangError(f"SGLang server {server.url} answered with weights {got!r}, not {self.version!r}, the "
+                              "version this process loaded into it: something else loaded weights into the server "
+                              "since (another run or client sharing it?). Give each run servers of its own")
+
+    def update_weights(self, model_dir: str | None, version: str | None = None) -> None:
+        """Every server loads the model folder `model_dir` (as weight version `version`, which every
+        reply must then carry). Raises SGLangError naming the server and the folder if one refuses
+        (it then keeps serving its previous weights)."""
         if model_dir is None:
             return
+        self.version = None  # until every server has the new weights, no reply is checked against either
         for s in self.servers:
-            status, reply = self._post(s, "/update_weights_from_disk", {"model_path": model_dir})
+            status, reply = self._post(s, "/update_weights_from_disk", {
+                "model_path": model_dir, **({"weight_version": version} if version else {})})
             msg = _refusal(status, reply)
             if msg is not None:
                 raise SGLangError(f"SGLang server {s.url} refused new weights from {model_dir} (HTTP {status}): "
                                   f"{msg}; it keeps serving its previous weights. Check that the folder is a "
-                                  "complete save_pretrained model readable from the server's machine")
+                                  "complete save_pretrained model readable from the server's machine, or use "
+                                  "rollout.sglang.weight_sync=store for servers on other machines")
+        self.version = version
 
-    def update_weights_from_tensors(self, weights: dict[str, torch.Tensor]) -> None:
+    def update_weights_from_store(self, url: str, version: str) -> dict[str, float]:
+        """Every server's posttrain front (trainer/inference/rollout_host.py) downloads the committed
+        folder at `url` (an artifact-store URL, READY marker written last) and loads it as weight
+        version `version`. Returns the slowest server's seconds: {"download": .., "load": ..}."""
+        self.version = None
+        worst = {"download": 0.0, "load": 0.0}
+        for s in self.servers:
+            status, reply = self._post(s, STORE_PATH, {"url": url, "version": version})
+            if status == 404:
+                raise SGLangError(f"SGLang server {s.url} does not take weights from a store (HTTP 404 on {STORE_PATH}):"
+                                  " run it behind posttrain's front on its machine (python -m "
+                                  "trainer.inference.rollout_host, docs/cluster.md), or use weight_sync=disk")
+            msg = _refusal(status, reply)
+            if msg is not None:
+                raise SGLangError(f"SGLang server {s.url} did not load the weights at {url} (HTTP {status}): {msg}; "
+                                  "it keeps serving its previous weights")
+            seconds = reply.get("seconds", {}) if isinstance(reply, dict) else {}
+            worst = {k: max(v, float(seconds.get(k, 0.0))) for k, v in worst.items()}
+        self.version = version
+        return worst
+
+    def update_weights_from_tensors(self, weights: dict[str, torch.Tensor], version: str | None = None) -> None:
         """Every server copies `weights` (names as in a save_pretrained folder) from this process's
         memory: chunks of at most TENSOR_CHUNK_BYTES are copied into shared memory (CPU) or exported
         by IPC handle (CUDA), and each server, in one weight-update session, maps and loads them.
@@ -569,6 +616,7 @@ class SGLangEngine:
             chunks[-1].append(name)
             size += t.nbytes
         opened: list[_Server] = []
+        self.version = None
         try:
             for s in self.servers:
                 self._expect(s, "/begin_weight_update", {"selector": "all"})
@@ -585,9 +633,12 @@ class SGLangEngine:
                     tmp.set_sharing_strategy(strategy)
                 payload = base64.b64encode(buf.getvalue()).decode()
                 for s in self.servers:
+                    last = k == len(chunks) - 1
                     self._expect(s, "/update_weights_from_tensor", {
-                        "serialized_named_tensors": [payload] * self.tp_size, "flush_cache": k == len(chunks) - 1})
+                        "serialized_named_tensors": [payload] * self.tp_size, "flush_cache": last,
+                        **({"weight_version": version} if version and last else {})})
                 del named, buf
+            self.version = version
         finally:
             for s in opened:
                 try:
