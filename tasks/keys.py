@@ -155,11 +155,11 @@ SFT_UNKEYED = {
 PLACEMENT = ("ranks_per_node", "nodes", "hostfile", "master_port", "master_addr", "interface", "collective_timeout_s")
 
 
-def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
+def keyed_config(cfg: RunConfig, rule: KeyRule, world_size: int | None = None) -> dict[str, Any]:
     """The rule's config sections without the fields that do not change the stage's result. A model
     in this machine's cache (a models:/ URI's download, tasks/sources.py) is keyed by its place in the
     cache, not by where the cache is: machines sharing an artifact root and a tracking server share
-    the result."""
+    the result. `world_size`: the config as it would be on that many ranks."""
     out = {s: cfg.to_dict()[s] for s in rule.sections}
     model = out.get("model") or {}
     cache = str(storage.posttrain_cache()) + "/"
@@ -169,7 +169,7 @@ def keyed_config(cfg: RunConfig, rule: KeyRule) -> dict[str, Any]:
         if isinstance(section, dict) and isinstance(section.get("deepspeed"), dict):
             ds = section["deepspeed"]
             # where the ranks run is not the result; how many there are is (the batch splits by rank)
-            ds["world_size"] = ds.get("ranks_per_node", 1) * ds.get("nodes", 1)
+            ds["world_size"] = world_size or ds.get("ranks_per_node", 1) * ds.get("nodes", 1)
             for placement in PLACEMENT:
                 ds.pop(placement, None)
     for dotted in rule.unkeyed:
@@ -185,11 +185,13 @@ def _hash(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stage_key(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict[str, dict | None]) -> str:
-    """The key of the stage's folder (`stage`: its kind, `rule`: its row's key rule)."""
+def stage_key(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict[str, dict | None],
+              world_size: int | None = None) -> str:
+    """The key of the stage's folder (`stage`: its kind, `rule`: its row's key rule; `world_size`:
+    the key the same stage has on that many ranks)."""
     return _hash({
         "stage": stage,
-        "config": keyed_config(cfg, rule),
+        "config": keyed_config(cfg, rule, world_size),
         "content": rule.content(cfg),
         "seed": cfg.seed,
         "inputs": {k: (v or {}).get("key") for k, v in sorted(inputs.items())},
@@ -240,3 +242,12 @@ def resolve(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict[str, dict | 
         return Resolved(folder, key, None, int(done))
     folder = storage.join(cfg.artifact_root, stage, key)
     return Resolved(folder, key, storage.read_manifest(folder), None)
+
+
+MAX_OTHER_WORLD_SIZE = 64  # the rank counts whose unfinished runs a stage looks for checkpoints in
+
+
+def world_sizes(cfg: RunConfig, rule: KeyRule) -> set[int]:
+    """The rank counts in the stage's keyed config (empty: the stage runs no ranks)."""
+    return {s["deepspeed"]["world_size"] for s in keyed_config(cfg, rule).values()
+            if isinstance(s, dict) and isinstance(s.get("deepspeed"), dict)}

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tasks import lease, stages
-from tasks.keys import KeyRule, code_version, extent, resolve
+from tasks.keys import MAX_OTHER_WORLD_SIZE, KeyRule, code_version, extent, resolve, stage_key, world_sizes
 from tasks.results import HOLDER_FILE, adopt_checkpoint, commit, damage, work_dir_for
 from tasks.stages import rule_for
 from tasks.tracking import MlflowLogger, TrackingRef, child_logger, ended_status, prefect_logger
 from trainer import storage
-from trainer.checkpoint import committed_tags, guarded as checkpoint_guard, mirror_tags, mirrored as checkpoint_mirrored
+from trainer.checkpoint import COMMITTED, committed_tags, guarded as checkpoint_guard, mirror_tags, mirrored as checkpoint_mirrored
 from trainer.config import RunConfig
 
 # the lease a stage holds while its body runs (run_launched hands its ranks lock to the ranks)
@@ -114,6 +114,16 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
     elif checkpoints:
         source = f"the checkpoint {checkpoints[-1]} " + (f"left on this machine by pid {adopted[1].get('pid')}" if adopted
                                                          else f"left in {work} by an earlier attempt")
+    borrowed = None
+    if source is None and not fresh and where.continues_from is None:
+        borrowed = borrow_checkpoint(cfg, stage, rule, inputs, work, mirror)
+        if borrowed is not None:
+            other, tag, ranks = borrowed
+            now = max(world_sizes(cfg, rule))
+            source = (f"the checkpoint {tag} that {ranks} rank(s) committed at {other} (a run on {ranks} that did "
+                      f"not finish)")
+            log.warning("%s: resuming from %s; on %d rank(s) the result will be close to, not bit-identical with, "
+                        "an uninterrupted run on %d (the batch is summed in another order)", stage, source, now, now)
     if where.continues_from is not None:
         if source:
             log.info("%s: %scontinuing the result at %s from %d to %d, from %s", stage, took_over, folder,
@@ -126,7 +136,7 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
     elif fresh:
         log.warning("%s: recomputing beside the result at %s; it stays in place until the new one commits",
                     stage, folder)
-    elif source:
+    elif source and borrowed is None:
         log.info("%s: %sresuming from %s", stage, took_over, source)
     elif took_over:
         log.warning("%s: %sthe run it took over (on %s) left no committed checkpoint: restarting from the stage's "
@@ -158,6 +168,8 @@ def _compute(stage, rule: KeyRule, cfg, inputs, body, ref: TrackingRef, where, h
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mlflow_run_id": logger.run_id, "flow_run_id": ref.flow_run_id, "wall_seconds": wall,
         "extent": span, **extra, **({"mlflow_model_id": model_id} if model_id else {}),
+        **({"checkpoint_from": {"folder": borrowed[0], "tag": borrowed[1], "world_size": borrowed[2]}}
+           if borrowed else {}),
     }
     try:
         commit(work, folder, manifest, replace=fresh)
@@ -199,6 +211,37 @@ def log_policy(stage: str, cfg, rule: KeyRule, ref: TrackingRef, where, work: Pa
                    f"them with AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained.")
     params = {section: cfg.to_dict()[section] for section in rule.sections}
     return logger.log_model(cfg.logged_model_name(role), work / subdir, params, tags, description)
+
+
+def borrow_checkpoint(cfg: RunConfig, stage: str, rule: KeyRule, inputs: dict, work: Path,
+                      mirror: str | None) -> tuple[str, str, int] | None:
+    """A stage with no checkpoint of its own, whose same computation on another number of ranks
+    started and did not finish (a run that lost a host, run again on the hosts left): the newest
+    checkpoint that run committed, copied to where this one resumes from (its mirror, else its work
+    folder), marker last. Returns (that run's folder, the tag, its rank count), or None. A finished
+    result on another rank count is never borrowed from: it is another result, not an interruption."""
+    sizes = world_sizes(cfg, rule)
+    if len(sizes) != 1:
+        return None
+    now = sizes.pop()
+    best = None
+    for ranks in range(1, MAX_OTHER_WORLD_SIZE + 1):
+        if ranks == now:
+            continue
+        other = storage.join(cfg.artifact_root, stage, stage_key(cfg, stage, rule, inputs, world_size=ranks))
+        ckpts = storage.join(other, "checkpoints")
+        tags = mirror_tags(ckpts) if storage.is_remote(other) else committed_tags(storage.fs_for(ckpts)[1])
+        if tags and (best is None or tags[-1] > best[1]) and storage.read_manifest(other) is None:
+            best = (other, tags[-1], ranks)
+    if best is None:
+        return None
+    other, tag, ranks = best
+    src = storage.join(other, "checkpoints", tag)
+    marker = storage.read_json(storage.join(src, COMMITTED))
+    dest = storage.join(mirror, tag) if mirror else str(work / "checkpoints" / tag)
+    storage.copy_files(src, list(marker["files"]), dest)
+    storage.write_json(storage.join(dest, COMMITTED), marker)
+    return best
 
 
 def checkpoint_mirror(folder: str) -> str | None:

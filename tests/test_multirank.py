@@ -601,3 +601,38 @@ def test_the_local_launcher_stops_forked_ranks_on_sigterm(tmp_path):
         assert not [p for p in pids if psutil.pid_exists(p)]
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_grpo_checkpoint_resumes_on_another_rank_count(tmp_path, root, one_rank, two_rank_grpo, monkeypatch,
+                                                          before, after):
+    """A GRPO run that failed on `before` ranks, run again on `after`: it resumes from the round-2
+    checkpoint the failed run committed (ZeRO-1's optimizer state, partitioned by rank, re-split by
+    DeepSpeed's elastic checkpoint) and ends close to, not bit-identical with, an uninterrupted run
+    on `after` ranks: the same rollouts and rewards every round, losses within the 1-vs-2-rank bound."""
+    from flows.speedrun import grpo_flow
+
+    ranks = {1: [], 2: TWO_RANK_GRPO}
+    seed(root, tmp_path)  # the module's data, tokenizer and one-rank SFT (cache hits)
+    monkeypatch.setenv("POSTTRAIN_FAULT", "grpo_after_update@3")  # round 3 updated, its checkpoint not written
+    with pytest.raises(Exception):
+        run(grpo_flow, tmp_path, ONE_RANK_SFT + ranks[before])
+    monkeypatch.delenv("POSTTRAIN_FAULT")
+    resumed = said_while(f"resumed-{before}-{after}", lambda: run(grpo_flow, tmp_path, ONE_RANK_SFT + ranks[after]))
+    said = "\n".join(SAID[f"resumed-{before}-{after}"])
+    assert re.search(rf"resuming from the checkpoint step0*2 that {before} rank\(s\) committed at \S+ .*"
+                     rf"close to, not bit-identical with", said), said[-3000:]
+    got = manifest(resumed, "grpo")
+    assert got["resumed_from_round"] == 2 and got["metrics"]["grpo/world_size"] == after
+    assert got["checkpoint_from"]["world_size"] == before
+    reference = manifest(one_rank if after == 1 else two_rank_grpo, "grpo")
+    other = manifest(one_rank if before == 1 else two_rank_grpo, "grpo")
+    history, ref_history = grpo_history(resumed), grpo_history(one_rank if after == 1 else two_rank_grpo)
+    assert [h["round"] for h in history] == [1, 2, 3, 4]
+    for a, b in zip(history, ref_history):
+        for key in ("reward/mean", "rollout/generated_tokens", "update/samples"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])
+        assert math.isclose(a["update/loss"], b["update/loss"], abs_tol=GRPO_LOSS_ATOL), (a["round"], a, b)
+    exact = {name: got["state_hash"] == m["state_hash"] for name, m in (("after", reference), ("before", other))}
+    print(f"\nGRPO checkpoint of {before} rank(s) resumed on {after}: state equal to the uninterrupted "
+          f"{after}-rank run: {exact['after']}; to the {before}-rank run: {exact['before']}")

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -318,16 +319,13 @@ def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = Non
         try:
             if mirror is not None:
                 _fetch(ckpt_dir, mirror, tag)
-            _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+            client = _load(engine, ckpt_dir / tag)
             if client is None:
                 raise RuntimeError("DeepSpeed found nothing to load")
             for name, other in (extra or {}).items():
                 if not (ckpt_dir / tag / name).is_dir():
                     raise RuntimeError(f"it holds no {name} (written by a run without one)")
-                _, sub = other.load_checkpoint(str(ckpt_dir / tag), tag=name, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
-                if sub is None:
+                if _load(other, ckpt_dir / tag / name) is None:
                     raise RuntimeError(f"DeepSpeed found no {name} to load")
         except Exception as exc:  # noqa: BLE001 - every rank then tries the one before it, together
             problem = exc
@@ -349,6 +347,73 @@ def load_latest(engine, ckpt_dir: str | Path, extra: dict[str, Any] | None = Non
         raise CheckpointError("no committed checkpoint under " + str(ckpt_dir) + " could be loaded:\n  "
                               + "\n  ".join(failures) + f"\ndelete {ckpt_dir} to start this stage over")
     return None
+
+
+ZERO_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+
+
+def saved_ranks(tag_dir: Path) -> int | None:
+    """How many ranks' ZeRO optimizer partitions a DeepSpeed checkpoint folder holds (None: no
+    partitions, ZeRO stage 0, whose optimizer state any number of ranks loads)."""
+    ranks = {int(m.group(1)) for f in tag_dir.iterdir() if (m := ZERO_PARTITION.fullmatch(f.name))}
+    return len(ranks) or None
+
+
+def _load(engine, tag_dir: Path) -> dict[str, Any] | None:
+    """Load one DeepSpeed checkpoint folder into `engine`; its client state. A folder written by
+    another number of ranks (ZeRO's optimizer state is partitioned by rank, and DeepSpeed refuses to
+    load it on another count) is first converted, on each machine, into DeepSpeed's universal
+    checkpoint (`deepspeed.checkpoint.ds_to_universal`: each parameter's weights and optimizer state
+    whole), which any number of ranks loads."""
+    import torch.distributed as dist
+
+    from trainer.engine import world_size
+
+    saved = saved_ranks(tag_dir)
+    if saved is None or saved == world_size():
+        _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+        return client
+    universal = tag_dir.parent / f".{tag_dir.name}.universal"
+    problem = None
+    if _node_leader():
+        try:
+            _to_universal(tag_dir, universal)
+        except Exception as exc:  # noqa: BLE001 - raised once every rank is past the barrier
+            problem = exc
+    if dist.is_initialized():
+        dist.barrier()
+    if problem is not None:
+        raise problem
+    log.warning("checkpoint %s was written by %d rank(s); loading it on %d through DeepSpeed's universal "
+                "checkpoint: the run goes on close to, not bit-identical with, one that never changed its "
+                "number of ranks", tag_dir, saved, world_size())
+    engine._config.load_universal_checkpoint = True  # DeepSpeed reads it at load time, from its config
+    try:
+        _, client = engine.load_checkpoint(str(universal.parent), tag=universal.name, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+    finally:
+        engine._config.load_universal_checkpoint = False  # the checkpoints this run saves are ordinary
+        if dist.is_initialized():
+            dist.barrier()  # every rank of the machine has read it
+        if _node_leader():
+            shutil.rmtree(universal, ignore_errors=True)
+    return client
+
+
+def _to_universal(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's own conversion, in a process of its own (it starts worker processes)."""
+    import subprocess
+    import sys
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
+           "--inject_missing_state"]  # torch optimizers leave no universal_checkpoint_info; DeepSpeed fills it in
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError(f"converting it to DeepSpeed's universal checkpoint failed: {done.stderr[-1500:]}")
 
 
 def _agreed_tags(ckpt_dir: Path, mirror: str) -> list[str]:

@@ -301,6 +301,21 @@ def get_files(url: str, rels: list[str], local_dir: str | Path) -> None:
             f"{path.rstrip('/')}/{rel}", str(target)))
 
 
+def copy_files(url: str, rels: list[str], dest: str) -> None:
+    """Copy the files `rels` (relative paths) under `url` to the same paths under `dest`: within one
+    store (S3 copies them itself, nothing passes through this machine) or between local folders."""
+    if not is_remote(url) and not is_remote(dest):
+        for rel in sorted(rels):
+            target = Path(fs_for(dest)[1]) / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(fs_for(url)[1]) / rel, target)
+        return
+    fs, path = fs_for(url)
+    _, to = fs_for(dest)
+    for rel in sorted(rels):
+        _retrying("copy", join(url, rel), lambda rel=rel: fs.copy(f"{path.rstrip('/')}/{rel}", f"{to.rstrip('/')}/{rel}"))
+
+
 def replace_dir(new: Path, dest: Path) -> None:
     """Put the local folder `new` where `dest` is: `dest` stays whole until a rename moves it aside."""
     old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
