@@ -73,6 +73,7 @@ bench: setup
 
 # Prefect server + process work pool + worker + MLflow UI on 127.0.0.1, every deployment in prefect.yaml;
 # its Prefect state under .serve/prefect (or $PREFECT_HOME). SERVE_ARGS='--prefect-port 4300 --pool-limit 1'.
+# SERVE_ARGS='--host ADDRESS --queue NAME' serves other machines, with credentials (docs/cluster.md).
 serve: setup
 	$(BIN)/python -m deployments.serve $(SERVE_ARGS)
 

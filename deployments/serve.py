@@ -1,8 +1,17 @@
 """`make serve`: a Prefect server, the `posttrain-local` process work pool and a worker, the MLflow
-UI, and every deployment in prefect.yaml -- all on 127.0.0.1. Ctrl-C, SIGTERM or SIGHUP stops
-everything it started (SIGKILL to what is left after STOP_GRACE_S).
+UI, and every deployment in prefect.yaml -- on 127.0.0.1 unless told otherwise. Ctrl-C, SIGTERM or
+SIGHUP stops everything it started (SIGKILL to what is left after STOP_GRACE_S).
 
     python -m deployments.serve [--prefect-port 4200] [--mlflow-port 5000] [--pool-limit 2]
+                                [--host ADDRESS] [--queue NAME]
+
+--host binds the services to an address other machines reach (workers there, docs/cluster.md). They
+then ask for credentials, from POSTTRAIN_SERVE_USER and POSTTRAIN_SERVE_PASSWORD: the Prefect API
+its auth string (`user:password`, PREFECT_SERVER_API_AUTH_STRING; clients send
+PREFECT_API_AUTH_STRING), MLflow its basic-auth app (that user as admin; clients send
+MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), and the worker and its runs then track to the
+MLflow server itself rather than to its database. Without both variables it refuses to start.
+--queue: the worker takes runs from that work queue only (one queue a machine).
 
 The Prefect server keeps its database under the project (`.serve/prefect`) unless PREFECT_HOME is
 set, so it never writes to the user's ~/.prefect. A port that is taken stops it with a message.
@@ -29,20 +38,41 @@ POOL = "posttrain-local"
 HOST = "127.0.0.1"
 POOL_LIMIT = 2
 STOP_GRACE_S = 10.0  # from SIGTERM to SIGKILL when stopping the services
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+USER_VAR, PASSWORD_VAR = "POSTTRAIN_SERVE_USER", "POSTTRAIN_SERVE_PASSWORD"
+MIN_PASSWORD = 12
 
 
 class PortTaken(RuntimeError):
     pass
 
 
-def check_port(port: int, what: str, flag: str) -> None:
+class NoCredentials(RuntimeError):
+    pass
+
+
+def credentials(host: str, env: dict[str, str]) -> tuple[str, str] | None:
+    """The user and password services bound beyond loopback ask for; None on loopback. Raises
+    NoCredentials naming the variables when they are missing or too weak."""
+    if host in LOOPBACK:
+        return None
+    user, password = env.get(USER_VAR, ""), env.get(PASSWORD_VAR, "")
+    if not user or not password or ":" in user or len(password) < MIN_PASSWORD:
+        raise NoCredentials(
+            f"--host {host}: the Prefect API and MLflow would listen beyond this machine, so they ask for "
+            f"credentials: set {USER_VAR} (no ':') and {PASSWORD_VAR} (at least {MIN_PASSWORD} characters), and give "
+            "the same to the machines' workers (docs/cluster.md); or leave --host out to bind 127.0.0.1 only")
+    return user, password
+
+
+def check_port(port: int, what: str, flag: str, host: str = HOST) -> None:
     """Raise PortTaken naming the port and the fix when something already listens on it."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
         try:
-            s.bind((HOST, port))
+            s.bind((host, port))
         except OSError as exc:
-            raise PortTaken(f"port {port} on {HOST} is taken ({exc.strerror}), so {what} cannot start there: "
+            raise PortTaken(f"port {port} on {host} is taken ({exc.strerror}), so {what} cannot start there: "
                             f"another `make serve` or server is running. Stop it, or choose another port: "
                             f"make serve SERVE_ARGS='{flag} <port>'") from None
 
@@ -117,12 +147,25 @@ def _wait(url: str, what: str, services: Services, timeout: float = 120) -> None
         time.sleep(0.5)
 
 
-def mlflow_server_cmd(store: str, port: int, *extra: str) -> list[str]:
+def mlflow_server_cmd(store: str, port: int, *extra: str, host: str = HOST) -> list[str]:
     """`mlflow server` for one user on this machine: one web worker (MLflow's default is four, each a
     process of about 250 MB), and no job runner (its queue consumers are for GenAI evaluation jobs,
     which posttrain never submits: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false in `service_env`)."""
-    return [_bin("mlflow"), "server", "--backend-store-uri", store, "--host", HOST, "--port", str(port),
+    return [_bin("mlflow"), "server", "--backend-store-uri", store, "--host", host, "--port", str(port),
             "--workers", "1", *extra]
+
+
+def mlflow_auth_config(folder: Path, user: str, password: str) -> Path:
+    """MLflow's basic-auth app's settings (an ini file only this user reads): `user` its admin, any
+    other user it knows reads only, and its users in a SQLite file beside it."""
+    path = folder / "mlflow-auth.ini"
+    text = (f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{folder / 'mlflow-auth.db'}\n"
+            f"admin_username = {user}\nadmin_password = {password}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def prepare_store(uri: str) -> None:
@@ -165,22 +208,38 @@ def service_env(env: dict[str, str], api: str) -> dict[str, str]:
 
 
 def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[str, str] | None = None,
-          logs: Path | None = None, pool_limit: int = POOL_LIMIT) -> Services:
-    api = f"http://{HOST}:{prefect_port}/api"
-    check_port(prefect_port, "the Prefect server", "--prefect-port")
+          logs: Path | None = None, pool_limit: int = POOL_LIMIT, host: str = HOST,
+          queue: str | None = None) -> Services:
+    env = dict(os.environ if env is None else env)
+    creds = credentials(host, env)
+    api = f"http://{host}:{prefect_port}/api"
+    check_port(prefect_port, "the Prefect server", "--prefect-port", host)
     if mlflow_port:
-        check_port(mlflow_port, "the MLflow UI", "--mlflow-port")
-    env = service_env(dict(os.environ if env is None else env), api)
+        check_port(mlflow_port, "the MLflow UI", "--mlflow-port", host)
+    env = service_env(env, api)
     logs = logs or ROOT / ".serve"
     logs.mkdir(parents=True, exist_ok=True)
-    services = Services(f"http://{HOST}:{prefect_port}", f"http://{HOST}:{mlflow_port}" if mlflow_port else None,
-                        env, logs=logs)
+    mlflow_url = f"http://{host}:{mlflow_port}" if mlflow_port else None
+    store, mlflow_extra = env["MLFLOW_TRACKING_URI"], []
+    if creds is not None:
+        user, password = creds
+        env.update({"PREFECT_SERVER_API_AUTH_STRING": f"{user}:{password}", "PREFECT_API_AUTH_STRING": f"{user}:{password}",
+                    "MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password})
+        if mlflow_port:
+            env["MLFLOW_AUTH_CONFIG_PATH"] = str(mlflow_auth_config(logs, user, password))
+            env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", os.urandom(24).hex())
+            # MLflow answers only the Host headers it allows (DNS rebinding): by default localhost and
+            # private addresses; its clients here name the bound address
+            mlflow_extra = ["--app-name", "basic-auth", "--allowed-hosts", f"{host},{host}:{mlflow_port}"]
+    services = Services(f"http://{host}:{prefect_port}", mlflow_url, env, logs=logs)
     try:
         _spawn(services, "prefect-server",
-               [_bin("prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)])
+               [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)])
         if mlflow_port:  # starts beside the Prefect server; waited for once the deployments are in
-            prepare_store(env["MLFLOW_TRACKING_URI"])
-            _spawn(services, "mlflow-ui", mlflow_server_cmd(env["MLFLOW_TRACKING_URI"], mlflow_port))
+            prepare_store(store)
+            _spawn(services, "mlflow-ui", mlflow_server_cmd(store, mlflow_port, *mlflow_extra, host=host))
+            if creds is not None:  # runs on any machine track through the server, which checks who asks
+                services.env = env = {**env, "MLFLOW_TRACKING_URI": mlflow_url}
         _wait(f"{api}/health", "the Prefect server", services)
         _run(services, [_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
              "creating the work pool")
@@ -188,7 +247,8 @@ def start(prefect_port: int = 4200, mlflow_port: int | None = 5000, env: dict[st
              "limiting the work pool")
         _run(services, [_bin("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "prefect.yaml")],
              "prefect deploy --all")
-        _spawn(services, "prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"])
+        _spawn(services, "prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                                            *(["--work-queue", queue] if queue else [])])
         if mlflow_port:
             _wait(f"{services.mlflow_url}/health", "the MLflow UI", services)
         services.check()
@@ -205,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--pool-limit", type=int, default=POOL_LIMIT,
                    help="flow runs the work pool runs at once (later ones wait)")
+    p.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}); another needs "
+                   f"{USER_VAR} and {PASSWORD_VAR}")
+    p.add_argument("--queue", default=None, help="the work queue this machine's worker takes runs from")
+    p.add_argument("--logs", type=Path, default=None, help="the services' logs (default: .serve/ in the checkout)")
     args = p.parse_args(argv)
     # a process manager stops services with SIGTERM (systemd, supervisord, docker stop), a closed
     # terminal with SIGHUP: both stop everything, as Ctrl-C does
@@ -212,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _on_stop_signal)
     services = None
     try:
-        services = start(args.prefect_port, args.mlflow_port, pool_limit=args.pool_limit)
+        services = start(args.prefect_port, args.mlflow_port, pool_limit=args.pool_limit, host=args.host,
+                         queue=args.queue, logs=args.logs)
         print(f"Prefect UI:   {services.prefect_url}   (API {services.prefect_url}/api)")
         print(f"MLflow UI:    {services.mlflow_url}   (tracking {services.env['MLFLOW_TRACKING_URI']})")
         if services.mlflow_url:
@@ -227,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             services.check()
             time.sleep(2)
-    except PortTaken as exc:
+    except (PortTaken, NoCredentials) as exc:
         print(f"make serve: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

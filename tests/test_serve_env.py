@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from deployments.serve import ROOT, PortTaken, check_port, prepare_store, service_env
+from deployments.serve import (ROOT, NoCredentials, PortTaken, check_port, credentials, mlflow_auth_config, prepare_store,
+                               service_env)
 
 
 def test_prefect_state_stays_under_the_project_unless_prefect_home_is_set():
@@ -25,6 +26,28 @@ def test_a_taken_port_is_named_with_the_fix():
         with pytest.raises(PortTaken, match=rf"port {port} on 127.0.0.1 is taken .*SERVE_ARGS='--mlflow-port <port>'"):
             check_port(port, "the MLflow UI", "--mlflow-port")
     check_port(port, "the MLflow UI", "--mlflow-port")  # free again
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({}, "POSTTRAIN_SERVE_USER"),
+    ({"POSTTRAIN_SERVE_USER": "ann"}, "POSTTRAIN_SERVE_PASSWORD"),
+    ({"POSTTRAIN_SERVE_USER": "ann", "POSTTRAIN_SERVE_PASSWORD": "short"}, "at least 12 characters"),
+    ({"POSTTRAIN_SERVE_USER": "a:b", "POSTTRAIN_SERVE_PASSWORD": "long-enough-password"}, "no ':'"),
+])
+def test_services_bound_beyond_loopback_refuse_to_start_without_credentials(env, problem):
+    assert credentials("127.0.0.1", env) is None  # loopback: make serve as it always was
+    with pytest.raises(NoCredentials, match=r"--host 10\.0\.0\.5: .*ask for credentials") as err:
+        credentials("10.0.0.5", env)
+    assert problem in str(err.value) and "docs/cluster.md" in str(err.value)
+    assert credentials("10.0.0.5", {"POSTTRAIN_SERVE_USER": "ann", "POSTTRAIN_SERVE_PASSWORD": "x" * 12}) == ("ann", "x" * 12)
+
+
+def test_mlflow_auth_settings_are_readable_by_their_owner_only(tmp_path):
+    path = mlflow_auth_config(tmp_path, "ann", "a-long-password")
+    assert path.stat().st_mode & 0o777 == 0o600
+    text = path.read_text()
+    assert "admin_username = ann" in text and "admin_password = a-long-password" in text
+    assert "default_permission = READ" in text
 
 
 @pytest.mark.slow
