@@ -353,9 +353,16 @@ ZERO_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 
 
 def saved_ranks(tag_dir: Path) -> int | None:
-    """How many ranks' ZeRO optimizer partitions a DeepSpeed checkpoint folder holds (None: no
-    partitions, ZeRO stage 0, whose optimizer state any number of ranks loads)."""
+    """How many ranks' ZeRO optimizer partitions a DeepSpeed checkpoint holds (None: no partitions,
+    ZeRO stage 0, whose optimizer state any number of ranks loads). Each machine may hold only its
+    own ranks' partitions, so the ranks pool what they see (every rank calls this)."""
+    import torch.distributed as dist
+
     ranks = {int(m.group(1)) for f in tag_dir.iterdir() if (m := ZERO_PARTITION.fullmatch(f.name))}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list[set[int]] = [set() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(seen, ranks)
+        ranks = set().union(*seen)
     return len(ranks) or None
 
 
