@@ -314,7 +314,18 @@ def runs_table(services: Services, experiment: str = "posttrain") -> str:
 
     from tasks.pipeline import mlflow_ui_urls
 
-    exp = MlflowClient(tracking_uri=services.mlflow_url).get_experiment_by_name(experiment)
+    # the server's credentials, where it asks for them (MLflow's client reads them from the environment)
+    creds = {k: services.env[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD") if k in services.env}
+    before = {k: os.environ.get(k) for k in creds}
+    os.environ.update(creds)
+    try:
+        exp = MlflowClient(tracking_uri=services.mlflow_url).get_experiment_by_name(experiment)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if exp is None:
         return f"{services.mlflow_url}/#/experiments   (experiment {experiment!r}: created by the first run)"
     return mlflow_ui_urls(exp.experiment_id, ui=services.mlflow_url)[0]

@@ -8,7 +8,10 @@ ranks out over ssh/pdsh from its hostfile, gloo on eth0.
   bound, naming the host and the rank, leave no posttrain process on any host, and a retry resumes
   from the last checkpoint committed in S3 and ends bit-identical to the uninterrupted run;
 - a host that cannot run the ranks (unreachable, no Python there, another source) is refused by
-  --dry-run and by the stage's preflight before anything starts.
+  --dry-run and by the stage's preflight before anything starts;
+- host B continues host A's GRPO from its checkpoint in S3;
+- an SGLang server on host C (behind trainer/inference/rollout_host.py) serves the rounds of ranks on
+  hosts A and B, each round's weights staged through S3.
 
 The cluster is built once for the module (about a second); every posttrain command runs on host A.
 Skipped, with the reason, where namespaces cannot be made (not root, no sshd or pdsh: `make
@@ -44,14 +47,19 @@ TWO_HOSTS = ["sft.grad_accum=1"] + [f"{s}.deepspeed.{k}" for s in ("sft", "grpo"
 STAGES = ("prepare_data", "tokenizer", "sft")
 
 
+KEYS: dict[str, str] = {}  # the S3 store's access key, made by the fixture (moto checks every request's signature)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = cl.Cluster(tmp_path_factory.mktemp("cluster"))
     c.up()
     a = c.host("a")
     try:
-        c.popen("a", [PY, "-m", "moto.server", "-H", a.address, "-p", str(S3_PORT)], log=c.root / "moto.log")
-        c.run("a", [PY, "-c", _WAIT_AND_MAKE_BUCKET], env=env(c), timeout=120)
+        # moto authenticates every request after the first three (the user, its key and its policy)
+        c.popen("a", [PY, "-m", "moto.server", "-H", a.address, "-p", str(S3_PORT)], log=c.root / "moto.log",
+                env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+        KEYS.update(json.loads(c.run("a", [PY, "-c", _WAIT_AND_MAKE_BUCKET], env=env(c), timeout=120).stdout))
         for letter in c.hosts:  # the same hostfile on every host: each puts itself first
             c.run(letter, f"printf 'host-a slots=1\\nhost-b slots=1\\nhost-c slots=1\\n' > {HOSTFILE}")
         yield c
@@ -60,15 +68,22 @@ def cluster(tmp_path_factory):
 
 
 _WAIT_AND_MAKE_BUCKET = f"""
-import time, boto3
+import json, time, boto3
+iam = boto3.client("iam")
 for _ in range(600):
     try:
-        boto3.client("s3").create_bucket(Bucket="{BUCKET}")
+        iam.create_user(UserName="posttrain")
         break
     except Exception:
         time.sleep(0.1)
 else:
     raise SystemExit("moto did not start")
+key = iam.create_access_key(UserName="posttrain")["AccessKey"]
+policy = {{"Version": "2012-10-17", "Statement": [{{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}}]}}
+iam.put_user_policy(UserName="posttrain", PolicyName="s3", PolicyDocument=json.dumps(policy))
+boto3.client("s3", aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"]).create_bucket(
+    Bucket="{BUCKET}")
+print(json.dumps({{"id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}}))
 """
 
 
@@ -76,8 +91,9 @@ def env(c: cl.Cluster, extra: dict[str, str] | None = None) -> dict[str, str]:
     """What a user's shell on host A holds: the S3 store's address and keys, one thread a rank (as two
     local ranks on a 2-core host get: the same numerics on one host and on two), the tests importable
     (the module's reward)."""
-    return {"AWS_ENDPOINT_URL": f"http://{c.host('a').address}:{S3_PORT}", "AWS_ACCESS_KEY_ID": "cluster-key",
-            "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1", "OMP_NUM_THREADS": "1",
+    return {"AWS_ENDPOINT_URL": f"http://{c.host('a').address}:{S3_PORT}",
+            "AWS_ACCESS_KEY_ID": KEYS.get("id", "bootstrap"), "AWS_SECRET_ACCESS_KEY": KEYS.get("secret", SECRET),
+            "AWS_DEFAULT_REGION": "us-east-1", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(cl.REPO), "MLFLOW_TRACKING_URI": "sqlite:////srv/mlflow.db", **(extra or {})}
 
 
@@ -366,3 +382,188 @@ def test_more_rounds_asked_on_host_b_continue_from_host_a_checkpoint(cluster, tw
     rounds = [json.loads(line) for line in cluster.run("b", [PY, "-c", code], env=env(cluster)).stdout.splitlines()
               if line.strip()]
     assert [h["round"] for h in rounds] == list(range(1, 7)) or len(rounds) == 6, rounds
+
+
+# ---------------------------------------------------------------- rollouts on another host
+
+
+def test_rollouts_on_host_c_get_each_rounds_weights_through_s3(cluster, two_hosts):
+    """GRPO's ranks on hosts A and B, its SGLang server on host C behind posttrain's front
+    (trainer/inference/rollout_host.py): host C shares no disk with them, so each round's weights go
+    up to S3 (READY marker last) and host C's front downloads and loads them under the round's
+    version, which every reply is checked against. Nothing is left in the store afterwards."""
+    c = cluster
+    _, result = two_hosts
+    sft = manifest(c, result, "sft")
+    front_url = f"http://{c.host('c').address}:30000"
+    standin = cl.REPO / "tests" / "sglang_cpu"
+    front = c.popen("c", [PY, "-m", "trainer.inference.rollout_host", "--model",
+                          f"{sft['uri']}/{sft['model_subdir']}", "--listen", f"{c.host('c').address}:30000",
+                          "--device", "cpu", "--dtype", "float32"],
+                    env=env(c, {"PYTHONPATH": f"{cl.REPO}:{standin}", "OMP_NUM_THREADS": "2"}),
+                    log=c.root / "rollout-host-c.log")
+    try:
+        wait = (f"import time, requests\nfor _ in range(600):\n    try:\n        if requests.get('{front_url}/health',"
+                f" timeout=2).status_code == 200: break\n    except requests.RequestException: pass\n    time.sleep(0.5)\n"
+                f"else: raise SystemExit('host C front not healthy')")
+        c.run("a", [PY, "-c", wait], timeout=400)
+        root = "rollouts-c"
+        seed(c, "two", root)
+        run = posttrain(c, "grpo", root, TWO_HOSTS + [
+            "rollout.engine=sglang", f'rollout.sglang.urls=["{front_url}"]', "rollout.sglang.weight_sync=store",
+            "rollout.sglang.request_timeout_s=300", "eval.engine=hf"])
+        out = run.result()
+        code = f"import s3fs; print(s3fs.S3FileSystem().cat({stage(out, 'grpo')['uri'] + '/history.jsonl'!r}).decode())"
+        rounds = [json.loads(x) for x in c.run("a", [PY, "-c", code], env=env(c)).stdout.splitlines() if x.strip()]
+        assert len(rounds) == 4 and all(r["time/weights_upload_seconds"] > 0 and r["rollout/weights_mb"] > 0
+                                        for r in rounds), rounds
+        log = (c.root / "rollout-host-c.log").read_text()
+        loaded = re.findall(r"loaded (\S+@\d+) from s3://", log)
+        assert [v.rsplit("@", 1)[1] for v in loaded] == ["0", "1", "2", "3", "4"][-len(loaded):] and len(loaded) >= 4, log
+        # no round's folder stays in the store
+        assert not s3_list(c, f"{BUCKET}/{root}/rollout-weights"), s3_list(c, f"{BUCKET}/{root}/rollout-weights")
+        parts = {k: sorted(r[f"time/weights_{k}_seconds"] for r in rounds) for k in ("upload", "download", "load")}
+        print(f"weights to host C per round ({rounds[0]['rollout/weights_mb']:.2f} MB): " + ", ".join(
+            f"{k} median {v[len(v) // 2]:.2f}s" for k, v in parts.items())
+              + f"; sync {sorted(r['time/sync_seconds'] for r in rounds)[2]:.2f}s")
+    finally:
+        c.run("c", "pkill -TERM -f 'trainer[.]inference[.]rollout_host' || true")  # not this shell's own line
+        front.wait(timeout=60)
+    # the front stopped its SGLang server with itself, and left no scratch folder
+    assert not [p for p in c.processes("c") if "sglang" in p[1] or "rollout_host" in p[1]], c.processes("c")
+    assert c.run("c", "ls -d /tmp/posttrain-rollout-host-* 2>/dev/null | wc -l").stdout.strip() == "0"
+
+
+# ---------------------------------------------------------------- any host runs any flow
+
+
+_DEPLOYMENT_RUN = """
+import asyncio, json, subprocess, sys, time
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+
+args = json.loads(sys.argv[1])
+
+async def final(client, run_id):
+    for _ in range(1200):
+        run = await client.read_flow_run(run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        await asyncio.sleep(1)
+    raise SystemExit(f"flow run {run_id} not final after 20 min: {run.state}")
+
+async def main():
+    async with get_client() as client:
+        if args.get("retry"):
+            out = subprocess.run([sys.executable.replace("python", "prefect"), "flow-run", "retry", args["retry"]],
+                                 capture_output=True, text=True)
+            assert out.returncode == 0, out.stdout + out.stderr
+            run_id = args["retry"]
+        else:
+            dep = await client.read_deployment_by_name(args["deployment"])
+            run = await client.create_flow_run_from_deployment(dep.id, parameters=args["parameters"],
+                                                               work_queue_name=args["queue"])
+            run_id = run.id
+        run = await final(client, run_id)
+    ml = MlflowClient()
+    exps = [e.experiment_id for e in ml.search_experiments()]
+    # the flow run's parent MLflow run and its stages' children carry its id; a retry adds a newer parent
+    tagged = ml.search_runs(exps, f"tags.`prefect.flow_run_id` = '{run_id}'", order_by=["attributes.start_time DESC"])
+    parents = [r for r in tagged if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in tagged if parents and r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    print(json.dumps({"id": str(run_id), "state": run.state.type.value, "run_count": run.run_count,
+                      "queue": run.work_queue_name,
+                      "stages": {c.data.tags["posttrain.stage"]: {k: c.data.tags.get(k) for k in (
+                          "cache_hit", "resumed_from_round")} for c in children}}))
+
+asyncio.run(main())
+"""
+
+_REFUSED_WITHOUT_CREDENTIALS = """
+import base64, json, sys, urllib.request
+a, auth, s3_object = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def status(url, data=None, user=None):
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    if user:
+        req.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
+    try:
+        return urllib.request.urlopen(req, timeout=20).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+print(json.dumps({
+    "prefect": status(f"http://{a}:4200/api/flows/filter", b"{}"),
+    "prefect_wrong": status(f"http://{a}:4200/api/flows/filter", b"{}", "posttrain:not-the-password"),
+    "prefect_ok": status(f"http://{a}:4200/api/flows/filter", b"{}", auth),
+    "mlflow": status(f"http://{a}:5000/api/2.0/mlflow/experiments/search?max_results=5"),
+    "mlflow_ok": status(f"http://{a}:5000/api/2.0/mlflow/experiments/search?max_results=5", user=auth),
+    "s3": status(f"http://{a}:9000/{s3_object}"),
+}))
+"""
+
+
+def test_workers_on_two_hosts_share_results_through_services_that_ask_for_credentials(cluster, two_hosts):
+    """`make serve` on host A bound to its address (Prefect server, MLflow's basic-auth app, the work
+    pool and a worker on queue host-a), a worker on host B (queue host-b), one S3 root:
+    - from host B, the Prefect API, MLflow and S3 refuse a request without credentials;
+    - GRPO run by host A's worker, then the same by host B's: every stage a cache hit;
+    - host B's worker asked for 6 rounds, failing once after round 5: the Prefect run's retry
+      continues from round 4's checkpoint, which host A's worker committed."""
+    c = cluster
+    a = c.host("a").address
+    user, password = "posttrain", f"pw-{uuid.uuid4().hex}"
+    clients = {"PREFECT_API_URL": f"http://{a}:4200/api", "PREFECT_API_AUTH_STRING": f"{user}:{password}",
+               "MLFLOW_TRACKING_URI": f"http://{a}:5000", "MLFLOW_TRACKING_USERNAME": user,
+               "MLFLOW_TRACKING_PASSWORD": password}
+    serve = c.popen("a", [PY, "-m", "deployments.serve", "--host", a, "--queue", "host-a", "--logs", "/srv/serve"],
+                    env=env(c, {"POSTTRAIN_SERVE_USER": user, "POSTTRAIN_SERVE_PASSWORD": password,
+                                "PREFECT_HOME": "/srv/prefect", "MLFLOW_TRACKING_URI": "sqlite:////srv/served.db"}),
+                    log=c.root / "serve-a.log")
+    worker = None
+    try:
+        deadline = time.monotonic() + 300
+        while "work pool:" not in (c.root / "serve-a.log").read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, (c.root / "serve-a.log").read_text()[-3000:]
+            time.sleep(1)
+        # an object that exists (moto answers an unsigned request for a missing key or a listing with a 500,
+        # a bug of its own; S3 refuses it with a 403)
+        s3_object = stage(two_hosts[1], "sft")["uri"].removeprefix("s3://") + "/manifest.json"
+        codes = json.loads(c.run("b", [PY, "-c", _REFUSED_WITHOUT_CREDENTIALS, a, f"{user}:{password}",
+                                       s3_object]).stdout)
+        assert codes == {"prefect": 401, "prefect_wrong": 401, "prefect_ok": 200, "mlflow": 401, "mlflow_ok": 200,
+                         "s3": 403}, codes
+        worker = c.popen("b", [str(cl.REPO / ".venv" / "bin" / "prefect"), "worker", "start", "--pool",
+                               "posttrain-local", "--type", "process", "--work-queue", "host-b"],
+                         env=env(c, clients), log=c.root / "worker-b.log")
+        root = "workers"
+        seed(c, "two", root)
+        overrides = BASE + ONE_HOST + [f"artifact_root=s3://{BUCKET}/{root}"]
+
+        def deployment_run(on: str, queue: str, parameters: dict | None = None, retry: str | None = None) -> dict:
+            spec = {"deployment": "grpo/grpo", "queue": queue, "parameters": parameters, "retry": retry}
+            out = c.run(on, [PY, "-c", _DEPLOYMENT_RUN, json.dumps(spec)], env=env(c, clients), timeout=1300)
+            return json.loads(out.stdout.strip().splitlines()[-1])
+
+        first = deployment_run("a", "host-a", {"preset": "tiny", "overrides": overrides})
+        assert first["state"] == "COMPLETED" and first["queue"] == "host-a", first
+        assert first["stages"]["grpo"]["cache_hit"] == "False", first
+        second = deployment_run("b", "host-b", {"preset": "tiny", "overrides": overrides})
+        assert second["state"] == "COMPLETED" and second["queue"] == "host-b", second
+        assert "grpo" in second["stages"] and all(s["cache_hit"] == "True" for s in second["stages"].values()), second
+        assert second["id"] in (c.root / "worker-b.log").read_text()  # host B's worker ran it
+        longer = deployment_run("b", "host-b", {"preset": "tiny", "overrides": overrides + ["grpo.rounds=6"],
+                                                "fault": {"grpo_round": 5}})
+        assert longer["state"] == "FAILED", longer
+        retried = deployment_run("b", "host-b", retry=longer["id"])
+        assert retried["state"] == "COMPLETED" and retried["run_count"] == 2, retried
+        assert retried["stages"]["grpo"] == {"cache_hit": "False", "resumed_from_round": "4"}, retried
+    finally:
+        for p in (worker, serve):
+            if p is not None:
+                p.terminate()  # the host's enter wrapper passes it on; what is left the teardown sweeps
+        c.run("a", "pkill -TERM -f 'deployments[.]serve' || true")
+        c.run("b", "pkill -TERM -f 'prefect [w]orker' || true")
+        for p in (worker, serve):
+            if p is not None:
+                p.wait(timeout=60)
