@@ -39,6 +39,9 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
    the fixed-shape decoder stepped eagerly, and on CUDA replayed from its CUDA graphs, on CPU the
    compiled decoder; tokens/s of the median of two calls after a first (which captures).
 
+9. Policy-written code (`--only sandbox`): executions/s through trainer.problems.sandbox on the
+   2 cores, one and two at a time, against a bare `python -I -S` process (the cost of isolation).
+
 On a GPU (`torch.cuda.is_available()`), `make bench` runs instead: the GPU table (`--only gpu`,
 issue 43): `tests/bench_ref.py`'s `smollm2-gpu` shape (SmolLM2-135M, 16 prompts x 8 samples x 128
 tokens, 4 steps measured after 1), each session its own process: TRL's GRPOTrainer with plain
@@ -49,7 +52,7 @@ measured copy bandwidth and matmul rates; then part 8 on the GPU.
 
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
 the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7, `--only decode` 8,
-`--only gpu` the GPU table.
+`--only gpu` the GPU table, `--only sandbox` 9.
 """
 
 from __future__ import annotations
@@ -670,12 +673,49 @@ def gpu_side_by_side(shape: str = GPU_SHAPE, sessions=None) -> dict:
             "rates": rates, "floors": floors, "rows": rows}
 
 
+def sandbox_throughput(n: int = 120) -> dict:
+    """Policy-written code through trainer.problems.sandbox: executions a second on this machine's
+    2 cores (1 and 2 at once), each a 10-line program against 5 hidden tests, beside the same
+    program run by a bare `python -I -S` process (no namespaces, no limits): what isolation costs."""
+    import subprocess
+    import sys as _sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer.problems import sandbox
+
+    program = ("def f(xs):\n    out = []\n    for x in xs:\n        if x % 2:\n            out.append(3 * x + 1)\n"
+               "        else:\n            out.append(x // 2)\n    return out\n")
+    inputs = [[[i, i + 1, i + 2]] for i in range(5)]
+    probe = sandbox.run(program, "f", inputs)
+    assert probe.ended == "exit" and len(probe.values) == 5, probe
+
+    def bare() -> None:
+        code = program + "import json\nprint(json.dumps([f(*a) for a in %r]))\n" % (inputs,)
+        subprocess.run([_sys.executable, "-I", "-S", "-c", code], check=True, capture_output=True)
+
+    rows = {}
+    for label, fn, workers in (("sandbox, 1 at a time", lambda: sandbox.run(program, "f", inputs), 1),
+                               ("sandbox, 2 at a time", lambda: sandbox.run(program, "f", inputs), 2),
+                               ("bare python -I -S, 2 at a time", bare, 2)):
+        fn()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda _: fn(), range(n)))
+        dt = time.perf_counter() - t0
+        rows[label] = {"executions_per_second": n / dt, "ms_per_execution": 1000 * dt / n * workers}
+        print(f"  {label}: {n / dt:.1f} executions/s", flush=True)
+    return {"isolation": probe.isolation, "tests_per_execution": len(inputs), "executions": n, "rows": rows,
+            "isolation_cost": rows["bare python -I -S, 2 at a time"]["executions_per_second"]
+            / rows["sandbox, 2 at a time"]["executions_per_second"]}
+
+
 # the parts `--only` runs alone: (the line printed before it, the part)
 ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
         "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo()),
         "lora": ("LoRA against full fine-tuning (smollm2-135m GRPO rounds, each its own process):",
                  lambda: lora_against_full()),
         "decode": ("the in-process decoders on SmolLM2-135M (GPU when there is one):", lambda: decode_engines()),
+        "sandbox": ("policy-written code in the sandbox (trainer.problems.sandbox):", lambda: sandbox_throughput()),
         "gpu": ("GRPO on one GPU, posttrain against TRL (SmolLM2-135M, 16 prompts x 8 samples x 128 tokens):",
                 lambda: gpu_side_by_side())}
 
@@ -745,6 +785,8 @@ def main() -> None:
     if not a.quick:
         print(ONLY["lora"][0], flush=True)
         out["lora"] = lora_against_full()
+    print(ONLY["sandbox"][0], flush=True)
+    out["sandbox"] = sandbox_throughput()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
     report(out)
@@ -851,6 +893,13 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
         base = d["rows"]["HF generate"]["tokens_per_second"]
         for name, r in d["rows"].items():
             print(f"  {name:<28}{r['tokens_per_second']:>10,.0f} tok/s{r['tokens_per_second'] / base:>8.2f}x")
+    if "sandbox" in out:
+        b = out["sandbox"]
+        print(f"sandbox ({b['isolation']} isolation), a program against {b['tests_per_execution']} hidden tests, "
+              f"{b['executions']} executions:")
+        for label, r in b["rows"].items():
+            print(f"  {label:<32}{r['executions_per_second']:>8.1f} executions/s{r['ms_per_execution']:>8.1f} ms each")
+        print(f"  isolation costs {b['isolation_cost']:.2f}x a bare interpreter's executions/s")
     print(f"wrote {path}")
 
 
