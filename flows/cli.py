@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -81,6 +82,9 @@ def print_summary(result: dict, seconds: float, temporary_prefect: bool = True) 
     console.print(f"stages: {len(result['stages'])} ({hits} cache hits, {len(result['stages']) - hits} ran)")
     from tasks.report import accuracy_lines
 
+    if result.get("task", "math") != "math" or result.get("grader", "math") != "math":
+        console.print(f"task: {result['task']} (grader {result['grader']}): every accuracy below is its verdict",
+                      markup=False, highlight=False, soft_wrap=True)
     for line in accuracy_lines(result["headline"]):
         console.print(line, markup=False, highlight=False)
     for k, v in result["headline"].items():
@@ -243,10 +247,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _NoTracebackForInputErrors(logging.Filter):
+    """Prefect logs a failed task's and flow's exception with its traceback, twice. An InputError
+    (a bad row, file or setting) already names where and the fix, and the CLI prints it last: its
+    tracebacks would push that line ~100 lines down. Other exceptions keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], InputError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_input_errors() -> None:
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForInputErrors) for f in logger.filters):
+            logger.addFilter(_NoTracebackForInputErrors())
+
+
 def _run(args) -> dict | None:
     """The command's flow on its Prefect server, its --json file and summary: the result, or None
     after printing the user's error."""
     from flows import prefect_server
+
+    _quiet_input_errors()
 
     t0 = time.perf_counter()
     server = prefect_server.start_early()  # its start-up overlaps the imports below

@@ -24,6 +24,7 @@ def body(cfg, inputs: dict, ref, fault: dict):
         from trainer.engine import device, fp32_matmul
         from trainer.evaluate import evaluate
         from trainer.model import load_model
+        from trainer.problems import task_of
         from trainer.tokenizer import load_tokenizer
 
         path = model_dir(model)
@@ -47,16 +48,19 @@ def body(cfg, inputs: dict, ref, fault: dict):
         try:
             env = cfg.rollout.environment  # a multi-turn one: each problem an episode with its tools
             test = load_split(data, "test")
-            result = evaluate(policy, tok, test, cfg.eval, engine=engine, environment=env, label=f"{label} held-out")
+            task = task_of(cfg.task)  # whose verdict every row gets
+            result = evaluate(policy, tok, test, cfg.eval, engine=engine, environment=env, label=f"{label} held-out",
+                              task=task)
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
             if env.multi_turn:  # the same policy answering alone: what the tools are worth to it
-                alone = evaluate(policy, tok, test, cfg.eval, engine=engine, label=f"{label} held-out, no tools")
+                alone = evaluate(policy, tok, test, cfg.eval, engine=engine, label=f"{label} held-out, no tools",
+                                 task=task)
                 metrics["eval/accuracy_without_tools"] = alone.accuracy
             seen_rows = seen_sample(load_split(data, "train"), cfg.eval.seen_examples, cfg.seed)
             if seen_rows:
                 seen_result = evaluate(policy, tok, seen_rows, cfg.eval.model_copy(update={"max_examples": None}),
-                                       engine=engine, environment=env, label=f"{label} seen")
+                                       engine=engine, environment=env, label=f"{label} seen", task=task)
                 storage.write_jsonl(str(work / "seen_results.jsonl"), seen_result.rows)
                 logger.log_table(seen_result.rows, "eval_seen_results.json")
                 metrics.update({"eval/seen_accuracy": seen_result.accuracy, "eval/seen_n": float(seen_result.n),
@@ -125,7 +129,7 @@ def seen(evaluation: dict, name: str) -> dict[str, float]:
     out = {}
     for metric, key in (("eval/seen_accuracy", "seen_accuracy"), ("eval/flexible_accuracy", "flexible_accuracy")):
         value = evaluation["metrics"].get(metric)
-        if value is not None:
+        if value is not None and value == value:  # NaN: a task with one verdict has no flexible accuracy
             out[f"{name}_{key}"] = value
     return out
 

@@ -111,6 +111,12 @@ def environment_content(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
+def task_content(cfg: RunConfig) -> dict[str, Any]:
+    """A grader of the user's by its module's source (the built-in ones are part of the code version)."""
+    module, sep, _ = cfg.task.grader.partition(":")
+    return {"grader_source": _module_source(module)} if sep else {}
+
+
 def reward_content(cfg: RunConfig) -> dict[str, Any]:
     """Custom rewards by their module's source, reward models by their folder (built-in rewards are
     part of the code version)."""
@@ -124,7 +130,7 @@ def reward_content(cfg: RunConfig) -> dict[str, Any]:
             out[f"reward_model:{spec.path}"] = fingerprint(spec.path)
             continue
         out[spec.name] = _module_source(split_dotted(spec.name)[0])  # None: the stage names it
-    return {**out, **environment_content(cfg)}
+    return {**out, **environment_content(cfg), **task_content(cfg)}
 
 
 def grpo_content(cfg: RunConfig) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class PipelineRun:
         return {
             "flow_name": self.flow_name,
             "preset": self.cfg.name,
+            "task": self.cfg.task.label, "grader": self.cfg.task.grader,
             "mlflow_run_id": self.ref.parent_run_id,
             "mlflow_experiment_id": self.ref.experiment_id,
             "flow_run_id": self.ref.flow_run_id,
@@ -157,7 +158,8 @@ def pipeline_run(cfg: RunConfig, flow_name: str, recompute: frozenset[str] = fro
     client = mlflow_client(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, cfg.tracking.artifact_location)
     flow_run_id, flow_run_name = _flow_run()
-    tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name, "posttrain.nightly": str(nightly).lower()}
+    tags = {"posttrain.flow": flow_name, "posttrain.preset": cfg.name, "posttrain.nightly": str(nightly).lower(),
+            "posttrain.task": cfg.task.label, "posttrain.grader": cfg.task.grader}
     if recompute:
         tags["posttrain.recompute"] = ",".join(sorted(recompute))
     if flow_run_id:

@@ -14,7 +14,9 @@ from trainer.config import RunConfig
 
 def body(cfg: RunConfig, inputs: dict, ref, fault: dict):
     def compute(work: Path, logger) -> dict:
-        prepared = D.prepare(cfg.data, cfg.seed)
+        from trainer.problems import task_of
+
+        prepared = D.prepare(cfg.data, cfg.seed, task_of(cfg.task))
         sha256 = {  # the splits' content hashes: the digests of the MLflow datasets the stages log
             "train.jsonl": storage.write_jsonl(str(work / "train.jsonl"), prepared.train),
             "test.jsonl": storage.write_jsonl(str(work / "test.jsonl"), prepared.test),

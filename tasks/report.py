@@ -108,10 +108,13 @@ def summary_markdown(result: dict[str, Any], png: bytes) -> str:
     head = result["headline"]
     lines = [f"# posttrain {result['flow_name']} ({result['preset']})", "",
              f"MLflow run `{result['mlflow_run_id']}`", ""]
+    task = result.get("task", "math")
     table = accuracy_lines(head)
     if table:
-        lines += ["Accuracy on held-out equations and on a sample of training problems (seen):", "", "```",
-                  *table, "```"]
+        judged = (f"task {task}, judged by {result.get('grader', task)}" if task != "math" else
+                  "held-out: strict (the final `#### n` or \\boxed{}); flexible: the last number")
+        lines += [f"Accuracy on held-out problems and on a sample of training problems (seen); {judged}:", "",
+                  "```", *table, "```"]
     lines += ["", "| stage | status | wall s |", "|---|---|---|"]
     lines += [f"| {s['label']} | {'cache hit' if s['cache_hit'] else 'ran'} | {s['wall_seconds']:.1f} |"
               for s in result["stages"]]
@@ -169,7 +172,8 @@ def register_policy(run, stages: dict[str, dict], model_stage: str) -> tuple[str
         client.get_registered_model(name)
     except MlflowException:
         try:
-            client.create_registered_model(name, description=f"posttrain final policies of preset {cfg.name}")
+            client.create_registered_model(name, description=f"posttrain final policies of preset {cfg.name}, "
+                                                               f"task {cfg.task.label} (grader {cfg.task.grader})")
         except MlflowException:
             client.get_registered_model(name)  # created meanwhile by a concurrent run
     # runs on one artifact root register one policy once: the search and the creation under one lease
@@ -194,7 +198,7 @@ def _register(run, stages: dict[str, dict], model_stage: str, name: str) -> tupl
         "posttrain.dataset_key": stages["prepare_data"]["key"], "posttrain.dataset_uri": stages["prepare_data"]["uri"],
         "posttrain.sft_run": stages["sft"]["source_run_id"], "posttrain.sft_key": stages["sft"]["key"],
         "posttrain.config_hash": config_hash(cfg), "posttrain.pipeline_run": run.ref.parent_run_id,
-        "posttrain.preset": cfg.name,
+        "posttrain.preset": cfg.name, "posttrain.task": cfg.task.label, "posttrain.grader": cfg.task.grader,
     }
     if cfg.model.lora is not None:  # the version's source is the merged model; the adapter sits beside it
         adapter = f"{run_artifacts}/adapter" if run_artifacts else storage.join(policy["uri"], policy["adapter_subdir"])
@@ -280,10 +284,16 @@ class Comparison:
             lines.append("baseline  none: no earlier finished nightly run to compare with")
         else:
             b = self.baseline
-            why = "named by --baseline" if self.chosen else "best earlier nightly by final_accuracy"
+            why = "named by --baseline" if self.chosen else "best earlier nightly of the task by final_accuracy"
             lines.append(f"baseline  {b.info.run_id}  {b.info.run_name}  ({why}; starts from {_start_policy(b)})")
             if b.info.status != "FINISHED":
                 lines[-1] += f"  [{b.info.status}]"
+        mine = _task_of(r)
+        if self.baseline is not None and _task_of(self.baseline) != mine:
+            lines.append(f"task      other tasks: run {mine}, baseline {_task_of(self.baseline)}: each accuracy is its "
+                         "own task's verdict, so the two are not comparable")
+        else:
+            lines.append(f"task      {mine}: every accuracy below is its grader's verdict")
         if self.data:
             lines.append(self.data)
         lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
@@ -318,6 +328,13 @@ def promote(run, comparison: Comparison) -> str | None:
     run.logger.set_tags({"posttrain.alias": BEST_ALIAS})
     than = f"the best earlier nightly's {best:.1%}" if best is not None else "no earlier nightly"
     return f"alias {BEST_ALIAS} -> {run.registered_model} (final accuracy {mine:.1%} against {than})"
+
+
+def _task_of(run) -> str:
+    """The task a pipeline run learned, as its tags say (runs before the tag: math)."""
+    task = run.data.tags.get("posttrain.task", "math")
+    grader = run.data.tags.get("posttrain.grader", "math")
+    return task if task == grader else f"{task} (grader {grader})"
 
 
 def _start_policy(run) -> str:
@@ -360,7 +377,7 @@ def compare(client, experiment: str, run_id: str | None = None, baseline_id: str
         if baseline.info.run_id == run.info.run_id:
             raise InputError(f"--baseline {baseline_id}: that is the compared run itself; name another run")
     else:
-        earlier = [r for r in nightlies if r.info.start_time < run.info.start_time
+        earlier = [r for r in nightlies if r.info.start_time < run.info.start_time and _task_of(r) == _task_of(run)
                    and r.info.run_id != run.info.run_id and "final_accuracy" in r.data.metrics]
         baseline = max(earlier, key=lambda r: (r.data.metrics["final_accuracy"], r.info.start_time), default=None)
     rows = [(m, run.data.metrics.get(m), baseline.data.metrics.get(m) if baseline else None) for m in COMPARED]

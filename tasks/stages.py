@@ -21,7 +21,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from tasks.keys import SFT_UNKEYED, KeyRule, data_content, environment_content, grpo_content, model_content
+from tasks.keys import (SFT_UNKEYED, KeyRule, data_content, environment_content, grpo_content, model_content,
+                        task_content)
 from trainer.config import RunConfig
 
 
@@ -60,8 +61,9 @@ class Stage:
         return self.reads(cfg) if callable(self.reads) else self.reads
 
 
-EVAL_KEY = KeyRule(("eval",), unkeyed={"eval.engine": "keyed as the engine it resolves to (answered_by)"},
-                   content=lambda cfg: {"answered_by": cfg.eval_engine(), **environment_content(cfg)})
+EVAL_KEY = KeyRule(("eval", "task"), unkeyed={"eval.engine": "keyed as the engine it resolves to (answered_by)"},
+                   content=lambda cfg: {"answered_by": cfg.eval_engine(), **environment_content(cfg),
+                                        **task_content(cfg)})
 
 
 TRAINS = {"train": "training"}
@@ -85,7 +87,7 @@ def _control_on(cfg: RunConfig) -> bool:
 
 
 STAGES: list[Stage] = [
-    Stage("prepare_data", "prepare_data", KeyRule(("data",), content=data_content), "tasks.prepare_data:body",
+    Stage("prepare_data", "prepare_data", KeyRule(("data", "task"), content=data_content), "tasks.prepare_data:body",
           command="prepare-data"),
     Stage("tokenizer", "tokenizer", KeyRule(("tokenizer",)), "tasks.tokenizer:body", {"data": "prepare_data"},
           enabled=lambda cfg: cfg.tokenizer.train, command="tokenizer", reads=TRAINS),
@@ -95,7 +97,7 @@ STAGES: list[Stage] = [
           pretrained=True),
     Stage("eval (sft)", "eval", EVAL_KEY, "tasks.eval:body", {"data": "prepare_data", "model": "sft"},
           plan="tasks.plan:plan_eval", report="tasks.pipeline:report_start_eval", reads=_evals, policy="model"),
-    Stage("grpo", "grpo", KeyRule(("rollout", "grpo"), unkeyed={
+    Stage("grpo", "grpo", KeyRule(("rollout", "grpo", "task"), unkeyed={
         "grpo.rounds": "more rounds continue from the last checkpoint (the result key counts them)",
         "grpo.checkpoint_every": "resume from any checkpoint is exact",
         "grpo.checkpoint_min_seconds": "resume from any checkpoint is exact",

@@ -218,10 +218,10 @@ def test_reading_a_rows_final_answer_is_linear_in_its_length(name, make):
     """A dataset's answer field can be as long as a file allows: its final answer is found in linear
     time (a lazy regex, `####\\s*(.+?)\\s*$`, took 0.22 s on 8,000 spaces, 4x that at twice as many)."""
     from tests.growth import assert_linear
-    from trainer.data import _final_answer
+    from trainer.data import final_answer
 
-    assert _final_answer("... #### 2,000 \n", "x.jsonl row 1", "answer") == "2000"
-    assert_linear(lambda text: _final_answer(text, "x.jsonl row 1", "answer"), make, 2000, f"a final answer: {name}")
+    assert final_answer("... #### 2,000 \n", "x.jsonl row 1", "answer") == "2000"
+    assert_linear(lambda text: final_answer(text, "x.jsonl row 1", "answer"), make, 2000, f"a final answer: {name}")
 
 
 def test_skip_mode_counts_bad_rows(tmp_path):

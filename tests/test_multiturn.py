@@ -243,7 +243,7 @@ def test_a_calculator_episode_through_the_orchestrator(tiny_tokenizer):
         assert s.finish_reason == "answer" and s.tool_calls == 2 and s.tool_errors == 1
         obs = tiny_tokenizer.decode([i for i, m in zip(s.response_ids, s.loss_mask) if not m])
         assert "<|tool|>24<|end|>" in obs and "division by zero" in obs
-        assert s.text.endswith("so #### 24") and set(s.components) == {"math"}
+        assert s.text.endswith("so #### 24") and set(s.components) == {"task"}
         assert [t["role"] for t in s.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert batch.stats["rollout/tool_calls_mean"] == 2.0 and batch.stats["rollout/tool_errors"] == 4.0
     assert batch.stats["rollout/tool_success_rate"] == 0.5 and batch.stats["rollout/turns_mean"] == 3.0

@@ -119,6 +119,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.slow  # each runs to its limit (seconds)
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_program_is_contained_scored_incorrect_and_leaves_nothing(name):
     program, stopped_by = HOSTILE[name]
@@ -184,6 +185,7 @@ def test_it_reaches_no_socket_of_the_machine_it_runs_on():
                for v in run.values), run
 
 
+@pytest.mark.slow
 def test_the_caller_is_held_no_longer_than_the_wall_clock_however_many_run_at_once():
     """Two hostile programs and two honest ones at once (2 cores): each ends by its own limit."""
     programs = [HOSTILE["fork bomb"][0], HOSTILE["sleeps forever"][0], "def f(x):\n    return 2 * x\n",

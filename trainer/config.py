@@ -375,7 +375,8 @@ class RolloutConfig(Strict):
 
 
 class RewardSpec(Strict):
-    name: str = Field(..., description="math | format | reward_model | package.module:function")
+    name: str = Field(..., description="task (the task's grader's score) | math | format | reward_model | "
+                      "package.module:function")
     weight: float = 1.0
     path: str | None = Field(None, description="model folder for reward_model")
 
@@ -428,7 +429,7 @@ class GRPOConfig(Strict):
     entropy_coef: float = Field(0.0, ge=0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     tis_cap: float | None = Field(2.0, gt=0, description="truncate the trainer/engine importance ratio at this")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="task")], min_length=1)
     on_bad_reward: Literal["error", "skip"] = "error"
     eval_every: int = Field(10, ge=1, description="rounds between held-out evals")
     eval_examples: int = Field(200, ge=1)
@@ -476,6 +477,38 @@ class ControlConfig(Strict):
         "then do not depend on how fast the machine ran (time_factor is not used)")
 
 
+BUILTIN_GRADERS = ("math", "exact", "code")  # trainer/problems builds them (a test checks the two agree)
+
+
+class TaskConfig(Strict):
+    """What is learned and how it is judged (trainer/problems): data prep reads each row's gold answer
+    as the grader needs it, the `task` reward scores with it, and every eval, the summary, McNemar,
+    `posttrain compare` and the registry read its verdict."""
+
+    grader: str = Field(
+        "math", description="math (the final number: `#### n` or \\boxed{}, strict and flexible) | exact (the "
+        "response's text after its last '####', else its last line, equals the gold answer) | code (the "
+        "response's Python function, run in the sandbox against the row's `tests`) | package.module:function "
+        "(fn(response, example) -> Verdict(score, correct), a bool, or a score in [0, 1], 1 meaning correct)")
+    name: str | None = Field(None, description="the task's name in tags, tables and the registry; default the "
+                             "grader's (a dotted path's function name)")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.grader.partition(":")[2] or self.grader
+
+    @model_validator(mode="after")
+    def _named(self) -> "TaskConfig":
+        module, sep, attr = self.grader.partition(":")
+        if self.grader not in BUILTIN_GRADERS and not (sep and module and attr.isidentifier()):
+            raise ValueError(f"task.grader={self.grader!r}: use one of {list(BUILTIN_GRADERS)} or "
+                             "'package.module:function'")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
+            raise ValueError(f"task.name={self.name!r}: use letters, digits, '_', '.' and '-' (it names the "
+                             "registered model and a tag)")
+        return self
+
+
 class TrackingConfig(Strict):
     experiment: str = "posttrain"
     artifact_location: str | None = Field(
@@ -489,6 +522,7 @@ class RunConfig(Strict):
     name: str = "tiny"
     seed: int = 0
     artifact_root: str = Field("artifacts", description="local path or s3://bucket/prefix")
+    task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -501,6 +535,10 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _tokenizer_needs_scratch_model(self) -> "RunConfig":
+        if self.data.source == "synthetic" and self.task.grader != "math":
+            raise ValueError(f"task.grader={self.task.grader!r} with data.source=synthetic: the synthetic problems "
+                             "are arithmetic, graded by math; give your task's rows (data.source=files, data.train) "
+                             "or use task.grader=math")
         if self.model.pretrained and self.tokenizer.train:
             raise ValueError(
                 "tokenizer.train=true with model.pretrained set: a pretrained model uses its own "
@@ -579,8 +617,11 @@ class RunConfig(Strict):
 
     def registered_model_name(self) -> str:
         """The MLflow Model Registry name of the final policy (tracking.registered_model, or from the name)."""
-        return self.tracking.registered_model if self.tracking.registered_model is not None else \
-            f"posttrain-{self.name.replace('.', '-')}"
+        if self.tracking.registered_model is not None:
+            return self.tracking.registered_model
+        # a task other than math names itself: its policies are not the preset's arithmetic ones
+        task = "" if self.task.grader == "math" and self.task.name is None else f"-{self.task.label}"
+        return f"posttrain-{self.name.replace('.', '-')}{task.replace('.', '-')}"
 
     def logged_model_name(self, role: str) -> str:
         """The MLflow logged model name of one of this run's policies (`role`: sft, grpo, control,

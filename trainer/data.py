@@ -1,7 +1,8 @@
 """Datasets: a synthetic GSM8K-style generator and real datasets, normalised to chat examples.
 
 Every example becomes {"id", "messages": [system?, user, assistant], "answer"} where "answer" is
-the gold final answer (the text after `####`). Real data comes through `datasets` from local
+the gold final answer (for math, the text after `####`; for another task, as its grader reads it:
+trainer/problems). Real data comes through `datasets` from local
 jsonl/json/parquet/csv/tsv, an `s3://` URI (s3fs), or a hub name. A malformed row raises `DataError`
 naming the file, row and field, or is skipped and counted when `on_bad_row: skip`.
 """
@@ -13,7 +14,7 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from trainer.config import DataConfig, SyntheticData
 from trainer.errors import InputError
@@ -354,11 +355,30 @@ def _storage_options(path: str) -> dict[str, Any] | None:
     return storage_options(path) or None
 
 
-def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, which: str = "train") -> dict[str, Any]:
+RESERVED = ("id", "messages", "answer")  # an example's own keys; the row's other columns are kept beside them
+
+
+def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, which: str = "train",
+              task=None) -> dict[str, Any]:
     """One raw row -> example; raises DataError naming the file, row and field.
 
     The id is the row's own `id` field, else `<split>-<row number>`: the same wherever the file
-    lives (a machine path would end up in MLflow tables and differ between machines)."""
+    lives (a machine path would end up in MLflow tables and differ between machines). The gold
+    answer is read as `task` (a trainer.problems.Task; None: math) needs it, and the row's other
+    columns are kept in the example for its grader (a code row's `entry` and `tests`)."""
+    answer_of = task.answer_of if task is not None else final_answer
+    example = _normalised(label, index, row, cfg, which, answer_of)
+    if task is None or task.is_math:
+        return example
+    f = cfg.fields  # another task's grader may read any of the row's columns
+    used = {f.question, f.answer, f.messages}
+    example.update({k: v for k, v in row.items() if k not in used and k not in RESERVED})
+    task.check_row(example, f"{label} row {index + 1}")
+    return example
+
+
+def _normalised(label: str, index: int, row: dict[str, Any], cfg: DataConfig, which: str,
+                answer_of: Callable[[str, str, str], str]) -> dict[str, Any]:
     where = f"{label} row {index + 1}"
     f = cfg.fields
     ex_id = str(row["id"]) if row.get("id") is not None else f"{which}-{index + 1}"
@@ -372,7 +392,7 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, whic
                 raise DataError(f"{where}: field {f.messages!r}, message {n}: {problem}")
         if msgs[-1]["role"] != "assistant":
             raise DataError(f"{where}: field {f.messages!r} must end with an assistant message")
-        final = _final_answer(msgs[-1]["content"], where, f.messages)
+        final = answer_of(msgs[-1]["content"], where, f.messages)
         if cfg.calculator_annotations == "strip":
             msgs = msgs[:-1] + [{**msgs[-1], "content": strip_calculator(msgs[-1]["content"])}]
         return {"id": ex_id, "messages": msgs, "answer": final}
@@ -385,7 +405,7 @@ def normalise(label: str, index: int, row: dict[str, Any], cfg: DataConfig, whic
             present = sorted(row)
             raise DataError(f"{where}: field {name!r} is missing or empty (row has {present}); "
                             "set data.fields to the right column names or fix the row")
-    final = _final_answer(row[f.answer], where, f.answer)
+    final = answer_of(row[f.answer], where, f.answer)
     answer = row[f.answer].strip()
     if cfg.calculator_annotations == "strip":
         answer = strip_calculator(answer)
@@ -426,7 +446,7 @@ def calculator_turns(answer: str) -> list[dict[str, str]]:
     return turns + [{"role": "assistant", "content": text + answer[pos:]}]
 
 
-def _final_answer(text: str, where: str, field_name: str) -> str:
+def final_answer(text: str, where: str, field_name: str) -> str:
     hashes = text.find("####")  # what follows the first `####`, to the end (a string scan: linear time)
     final = text[hashes + 4:].strip().replace(",", "").strip() if hashes >= 0 else ""
     if final:
@@ -470,13 +490,13 @@ def _decoded(label: str, rows: Iterable[dict]) -> Iterable[dict]:
 
 
 def _normalise_all(label: str, rows: Iterable[dict], cfg: DataConfig, limit: int | None,
-                   skipped: list[str], which: str) -> list[dict[str, Any]]:
+                   skipped: list[str], which: str, task=None) -> list[dict[str, Any]]:
     out = []
     for i, row in enumerate(_decoded(label, rows)):
         if limit is not None and len(out) >= limit:
             break
         try:
-            out.append(normalise(label, i, row, cfg, which))
+            out.append(normalise(label, i, row, cfg, which, task))
         except DataError as exc:
             if cfg.on_bad_row == "error":
                 raise DataError(f"{exc} (or set data.on_bad_row=skip to drop such rows)") from None
@@ -486,8 +506,9 @@ def _normalise_all(label: str, rows: Iterable[dict], cfg: DataConfig, limit: int
     return out
 
 
-def prepare(cfg: DataConfig, seed: int) -> PreparedData:
-    """Build the normalised train/test sets for a data config (deterministic for a seed)."""
+def prepare(cfg: DataConfig, seed: int, task=None) -> PreparedData:
+    """Build the normalised train/test sets for a data config (deterministic for a seed), each row's
+    answer read as `task` (a trainer.problems.Task; default math) needs it."""
     if cfg.source == "synthetic":
         data = synthetic(cfg.synthetic, seed)
         if cfg.system_prompt:
@@ -496,11 +517,11 @@ def prepare(cfg: DataConfig, seed: int) -> PreparedData:
         return data
     skipped: list[str] = []
     label, rows = _load_rows(cfg, "train")
-    train = _normalise_all(label, rows, cfg, None, skipped, "train")
+    train = _normalise_all(label, rows, cfg, None, skipped, "train", task)
     has_test = cfg.test is not None if cfg.source == "files" else cfg.hub_test_split is not None
     if has_test:
         tlabel, trows = _load_rows(cfg, "test")
-        test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped, "test")
+        test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped, "test", task)
     else:
         if cfg.test_size >= len(train):
             raise DataError(f"data.test_size={cfg.test_size} leaves no training rows out of "

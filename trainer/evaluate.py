@@ -1,6 +1,6 @@
-"""Held-out evaluation: greedy accuracy (math-verify) with strict extraction (the last `#### n` or
-\\boxed{}, what the math reward scores) and flexible extraction (the last number in the text), format
-rate, mean response length. With a multi-turn environment (rollout.environment) each problem is a
+"""Held-out evaluation: greedy accuracy by the run's task's verdict (trainer/problems; math: math-verify
+with strict extraction, the last `#### n` or \\boxed{}, what the math reward scores, beside flexible
+extraction, the last number in the text), format rate, mean response length. With a multi-turn environment (rollout.environment) each problem is a
 greedy episode with its tools, graded on the policy's turns; tool calls and their success are counted.
 
 Run alone: `posttrain eval --preset tiny`.
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.answers import extract_answer, has_format, is_correct
 from trainer.chat import encode_prompt
 from trainer.config import EvalConfig
 from trainer.data import prompt_messages, question_of
 from trainer.inference.generate import context_of, generate, too_long
+from trainer.problems import Task, Verdict, task_of
 from trainer.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class EvalResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     flexible_accuracy: float = float("nan")
     tools: dict[str, float] = field(default_factory=dict)  # multi-turn: tool calls and successes
+    mean_score: float = float("nan")  # the grader's partial credit (a task other than math)
     over_context: int = 0  # prompts as long as the model's context (or SGLang's limit): no answer, scored wrong
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -43,20 +44,23 @@ class EvalResult:
                 f"{prefix}format_rate": self.format_rate,
                 f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n),
                 **{f"{prefix}{k}": v for k, v in self.tools.items()},
-                **({f"{prefix}prompts_over_context": float(self.over_context)} if self.over_context else {})}
+                **({f"{prefix}prompts_over_context": float(self.over_context)} if self.over_context else {}),
+                **({f"{prefix}mean_score": self.mean_score} if self.mean_score == self.mean_score else {})}
 
 
 def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
-             engine=None, environment=None, label: str = "eval") -> EvalResult:
+             engine=None, environment=None, label: str = "eval", task: Task | None = None) -> EvalResult:
     """Greedy answers to `examples`, from `model` in this process, or from a rollout engine (an
     SGLang one: the same prompts, greedy, the same token limit) when `engine` is given. With
     `environment` (a `trainer.config.EnvironmentConfig` naming a multi-turn one) each answer is a
     greedy episode with the environment's tools, at most max_new_tokens a turn. `label` names the
-    eval in its progress (`eval (sft) held-out: 300/1000 answers ...`)."""
+    eval in its progress (`eval (sft) held-out: 300/1000 answers ...`). `task` (trainer.problems;
+    default math) gives each answer its verdict."""
     examples = examples[: cfg.max_examples] if cfg.max_examples else examples
+    task = task or task_of()
     t0 = time.perf_counter()
     if environment is not None and environment.multi_turn:
-        return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0, label)
+        return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0, label, task)
     prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
     over = _over_context(model, prompts, label, engine)
     with progress_bar(label, total=len(prompts), unit="answers") as bar:
@@ -67,7 +71,7 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
         else:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
-    result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}) for g in gens], t0)
+    result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}, None) for g in gens], t0, task)
     result.over_context = over
     return result
 
@@ -90,7 +94,7 @@ def _over_context(model: torch.nn.Module | None, prompts: list[list[int]], label
 
 
 def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environment, t0: float,
-                       label: str) -> EvalResult:
+                       label: str, task: Task) -> EvalResult:
     from trainer.inference.engines import HFEngine, SamplingParams
     from trainer.rl.envs import environment_of
     from trainer.rl.multiturn import Observations, play, tool_use
@@ -102,29 +106,43 @@ def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environmen
                      SamplingParams(cfg.max_new_tokens, temperature=0.0), environment.max_turns,
                      environment.token_budget(cfg.max_new_tokens), Observations(tok), environment.describe_tools,
                      progress=bar)
+    # an environment that grades its own episodes gives their verdicts; the task grades the others
     answers = [("\n".join(t.texts), sum(t.mask), t.reason,
                 {"tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
-                 "turns": sum(x["role"] == "assistant" for x in t.turns)}) for t in trajs]
-    result = _result(examples, answers, t0)
+                 "turns": sum(x["role"] == "assistant" for x in t.turns)},
+                None if t.reward is None else Verdict(t.reward, t.reward >= 1.0 if t.correct is None else t.correct))
+               for t in trajs]
+    result = _result(examples, answers, t0, task)
     result.tools = tool_use(trajs)
     return result
 
 
-def _result(examples: list[dict], answers: list[tuple[str, int, str, dict]], t0: float) -> EvalResult:
-    """Rows and scores of (text, response tokens, finish reason, extra columns) per example."""
+def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdict | None]], t0: float,
+            task: Task) -> EvalResult:
+    """Rows and scores of (text, response tokens, finish reason, extra columns, the environment's own
+    verdict or None) per example; the task grades where the environment did not."""
     rows = []
-    for ex, (text, n_tokens, reason, extra) in zip(examples, answers):
-        ok = is_correct(text, ex["answer"])
-        rows.append({"id": ex["id"], "question": question_of(ex), "gold": ex["answer"],
-                     "response": text, "predicted": extract_answer(text), "correct": ok,
-                     "correct_flexible": is_correct(text, ex["answer"], "flexible"),
-                     "format_ok": has_format(text), "response_tokens": n_tokens,
-                     "finish_reason": reason, **extra})
+    for ex, (text, n_tokens, reason, extra, own) in zip(examples, answers):
+        verdict = own if own is not None else task.grade(text, ex)
+        row = {"id": ex["id"], "question": question_of(ex), "gold": ex["answer"], "response": text,
+               "predicted": task.predicted(text), "correct": verdict.correct}
+        if task.lenient is not None and own is None:
+            row["correct_flexible"] = task.lenient(text, ex).correct
+        elif task.lenient is not None:  # graded by the environment: one verdict
+            row["correct_flexible"] = verdict.correct
+        if not task.is_math or own is not None:
+            row["score"] = verdict.score
+        row.update({"format_ok": task.format_ok(text) if task.format_ok else None, "response_tokens": n_tokens,
+                    "finish_reason": reason, **extra})
+        rows.append(row)
     n = max(len(rows), 1)
+    formats = [r["format_ok"] for r in rows if r["format_ok"] is not None]
+    scores = [r["score"] for r in rows if "score" in r]
     return EvalResult(
         accuracy=sum(r["correct"] for r in rows) / n,
-        flexible_accuracy=sum(r["correct_flexible"] for r in rows) / n,
-        format_rate=sum(r["format_ok"] for r in rows) / n,
+        flexible_accuracy=(sum(r["correct_flexible"] for r in rows) / n) if task.lenient else float("nan"),
+        format_rate=sum(formats) / len(formats) if formats else float("nan"),
         mean_response_tokens=sum(r["response_tokens"] for r in rows) / n,
         n=len(rows), seconds=time.perf_counter() - t0, rows=rows,
+        mean_score=sum(scores) / len(scores) if scores and not task.is_math else float("nan"),
     )

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from transformers import get_constant_schedule_with_warmup
 
 from trainer import checkpoint, engine as ds, lora
-from trainer.answers import is_correct
 from trainer.chat import encode_prompt
 from trainer.data import prompt_messages, question_of
 from trainer.config import RunConfig
@@ -32,6 +31,7 @@ from trainer.rl import losses
 from trainer.inference.cuda import fuse_norms
 from trainer.inference.engines import HFEngine, RolloutEngine, SamplingParams
 from trainer.inference.generate import context_of
+from trainer.problems import task_of
 from trainer.progress import progress_bar
 from trainer.rl.logprobs import response_logprobs
 from trainer.rl.orchestrator import RolloutManager
@@ -96,7 +96,8 @@ class GRPOTrainer:
         if self.reference is not None:  # beside the policy, which DeepSpeed placed on the rank's device
             self.reference.to(self.ds.device)
         self.engine = engine or HFEngine(self.ds.module, tok, cfg.rollout.batch_size, merge=self.merge)
-        self.rewards = RewardMix.from_specs(g.rewards)
+        self.task = task_of(cfg.task)
+        self.rewards = RewardMix.from_specs(g.rewards, self.task)
         # the longest prompt + 1 the policy can answer: its context, or less where SGLang's servers take less
         context, served = context_of(lora.inner(self.ds.module)), getattr(self.engine, "prompt_limit", None)
         if served is not None:
@@ -519,7 +520,7 @@ class GRPOTrainer:
         policy = lora.inner(self.ds.module)
         with lora.merged(policy, self.merge and served is None):
             greedy = evaluate(policy, self.tok, examples, ecfg, engine=served, environment=env,
-                              label=f"round {self.round} eval")
+                              label=f"round {self.round} eval", task=self.task)
         metrics = {"eval/accuracy": greedy.accuracy, "eval/flexible_accuracy": greedy.flexible_accuracy,
                    "eval/format_rate": greedy.format_rate, **{f"eval/{k}": v for k, v in greedy.tools.items()}}
         if g.pass_k > 1 and not env.multi_turn:  # pass@k samples single answers
@@ -532,7 +533,7 @@ class GRPOTrainer:
             hits = 0
             for i, ex in enumerate(examples):
                 chunk = gens[i * g.pass_k : (i + 1) * g.pass_k]
-                hits += any(is_correct(x.text, ex["answer"]) for x in chunk)
+                hits += any(self.task.grade(x.text, ex).correct for x in chunk)
             metrics[f"eval/pass_at_{g.pass_k}"] = hits / max(len(examples), 1)
         metrics["time/eval_seconds"] = time.perf_counter() - t0
         self.logger.log_metrics(metrics, step=self.round)

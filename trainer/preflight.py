@@ -15,6 +15,9 @@ def check(cfg: RunConfig) -> None:
     from trainer.rl.envs import check_environment
     from trainer.rl.rewards import check_rewards
 
+    from trainer.problems import check_task
+
+    check_task(cfg.task)
     check_environment(cfg.rollout.environment)
     check_critic(cfg.grpo)
     if cfg.grpo.enabled:

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from trainer.errors import InputError
-from trainer.problems import Verdict
+from trainer.problems.verdict import Verdict
 from trainer.problems.sandbox import Limits, run
 
 FENCE = "```"

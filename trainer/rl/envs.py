@@ -52,6 +52,8 @@ class Step:
     observation: list[dict[str, str]] = field(default_factory=list)  # messages to append
     done: bool = False
     reward: float | None = None   # the episode's reward, when the environment grades it itself
+    # its verdict, what the evals count as correct (unset with a reward: correct when the reward is 1 or more)
+    correct: bool | None = None
     reason: str = ""              # why it ended ("answer", "max_turns", ...), or "" while it goes on
     tool_calls: int = 0
     tool_errors: int = 0

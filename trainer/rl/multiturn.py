@@ -104,6 +104,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     reward: float | None = None
+    correct: bool | None = None  # the environment's own verdict, where it gives one with its reward
     reason: str = ""
 
     @property
@@ -156,6 +157,7 @@ def play(engine: RolloutEngine, tok: PreTrainedTokenizerBase, episodes: list[Epi
             t.tool_errors += step.tool_errors
             if step.reward is not None:
                 t.reward = step.reward
+                t.correct = step.correct
             if step.done:
                 t.reason = step.reason or "done"
                 continue

@@ -258,12 +258,14 @@ class RolloutManager:
         samples_used = [s for g in use for s in g.samples]
         lengths = [len(s.response_ids) for s in samples_used] or [0]
         stats = dict(batch.stats)
+        graded = "task" if "task" in parts else "math"
         stats["rollout/tokens_per_second"] = stats["rollout/generated_tokens"] / max(stats["time/generate_seconds"], 1e-9)
         stats.update({
             "reward/mean": statistics.fmean(all_rewards) if all_rewards else 0.0,
             "reward/std": statistics.pstdev(all_rewards) if len(all_rewards) > 1 else 0.0,
-            "rollout/accuracy": statistics.fmean(s.components.get("math", 0.0) for g in groups for s in g.samples)
-            if all_rewards else 0.0,
+            # the share of samples the task's grader (the `task` reward, else `math`) gives full marks
+            "rollout/accuracy": statistics.fmean(float(s.components.get(graded, 0.0) >= 1.0) for g in groups
+                                                 for s in g.samples) if all_rewards else 0.0,
             "rollout/groups_kept": len(kept), "rollout/groups_filtered": len(groups) - len(kept),
             "rollout/groups_used": len(use), "rollout/groups_carried": len(self.carry),
             "rollout/groups_dropped_stale": stale,

@@ -1,6 +1,6 @@
 """Rewards: plain functions `fn(response: str, example: dict) -> float`, chosen by name or dotted path.
 
-Built in: `math` (1.0 when math-verify says the final answer equals the gold answer), `format`
+Built in: `task` (the default: the score of the run's task's grader, trainer/problems), `math` (1.0 when math-verify says the final answer equals the gold answer), `format`
 (1.0 when the response's last `####` holds a number, or it has a \\boxed{} answer) and `reward_model`
 (a HF sequence-classification model loaded from a path, scoring prompt + response). Any
 other name is a dotted path `package.module:function` or `package.module.function`. The config
@@ -97,8 +97,21 @@ def split_dotted(name: str) -> tuple[str, str]:
     return module_name, attr
 
 
-def resolve(name: str, path: str | None = None) -> RewardFn:
-    """A reward function by built-in name, `reward_model` (with path), or dotted path."""
+def task_reward(task) -> RewardFn:
+    """The `task` reward: the score of the run's task's grader (trainer.problems; math: 1 or 0)."""
+    def reward(response: str, example: dict[str, Any]) -> float:
+        return task.grade(response, example).score
+
+    return reward
+
+
+def resolve(name: str, path: str | None = None, task=None) -> RewardFn:
+    """A reward function by built-in name, `task` (the run's task's grader: `task`, a
+    trainer.problems.Task, default math), `reward_model` (with path), or dotted path."""
+    if name == "task":
+        from trainer.problems import task_of
+
+        return task_reward(task or task_of())
     if name in BUILTIN:
         return BUILTIN[name]
     if name == "reward_model":
@@ -107,7 +120,7 @@ def resolve(name: str, path: str | None = None) -> RewardFn:
         return RewardModel(path)
     module_name, attr = split_dotted(name)
     if not module_name or not attr:
-        raise RewardError(f"grpo.rewards: {name!r} is not a built-in reward ({sorted(BUILTIN)} or "
+        raise RewardError(f"grpo.rewards: {name!r} is not a built-in reward ({sorted(BUILTIN)}, task or "
                           "reward_model) nor a dotted path like package.module:function")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -128,7 +141,7 @@ def check_rewards(specs) -> None:
     from trainer.config import ConfigError
 
     for spec in specs:
-        if spec.name in BUILTIN or (spec.name == "reward_model" and spec.path):
+        if spec.name in BUILTIN or spec.name == "task" or (spec.name == "reward_model" and spec.path):
             continue
         try:
             fn = resolve(spec.name, spec.path)
@@ -157,8 +170,8 @@ class RewardMix:
     raised: dict[int, str] = field(default_factory=dict, init=False)
 
     @classmethod
-    def from_specs(cls, specs) -> "RewardMix":
-        return cls([s.name for s in specs], [resolve(s.name, s.path) for s in specs], [s.weight for s in specs])
+    def from_specs(cls, specs, task=None) -> "RewardMix":
+        return cls([s.name for s in specs], [resolve(s.name, s.path, task) for s in specs], [s.weight for s in specs])
 
     def score(self, responses: list[str], examples: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, list[float]]]:
         """(total per sample, or None where a component was not finite; components by name)."""
