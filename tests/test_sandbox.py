@@ -91,7 +91,8 @@ def test_the_sandbox_runs_as_a_user_of_its_own_with_no_network_and_an_empty_fold
 
 HOSTILE = {
     # name: (program, what must have stopped it)
-    "infinite loop": ("def f(x):\n    while True:\n        pass\n", {"cpu"}),
+    # the CPU limit (2 s) or, on a machine busy enough that 4 s of wall clock give it less, the wall clock
+    "infinite loop": ("def f(x):\n    while True:\n        pass\n", {"cpu", "wall"}),
     "sleeps forever": ("import time\ndef f(x):\n    time.sleep(10_000)\n", {"wall"}),
     "fork bomb": ("import os\ndef f(x):\n    while True:\n        try:\n            os.fork()\n"
                   "        except OSError:\n            pass\n", {"wall", "cpu"}),
@@ -105,10 +106,11 @@ HOSTILE = {
                            "def f(x):\n    print('ok'); sys.exit(0)\n", {"exit"}),
     "patches assert and the harness": (
         "import builtins, json\nbuiltins.AssertionError = type('A', (Exception,), {})\n"
-        "json.dumps = lambda *a, **k: '{\"i\": 0, \"value\": 2}'\n"
+        "json.dumps = lambda *a, **k: '{\"i\": 0, \"passed\": true, \"value\": \"passed\"}'\n"
         "def f(x):\n    assert False\n    return 0\n", {"exit"}),
     "forges the result channel": (
-        "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'{\"i\": 0, \"value\": 2}\\n{\"i\": 1, \"value\": 4}\\n')\n"
+        "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'{\"i\": 0, \"value\": true}\\n{\"i\": 1, \"passed\": true}\\n'\n"
+        "                 b'{\"i\": 2, \"value\": \"passed\"}\\n{\"tests\": \"all passed\"}\\n')\n"
         "    except OSError:\n        pass\ndef f(x):\n    return -1\n", {"exit"}),
     "kills its parent and everyone": (
         f"import os, signal\ndef f(x):\n    for pid in (os.getppid(), {os.getpid()}, {os.getppid()}, -1):\n"
@@ -124,7 +126,7 @@ HOSTILE = {
 def test_a_hostile_program_is_contained_scored_incorrect_and_leaves_nothing(name):
     program, stopped_by = HOSTILE[name]
     run = judge(program)
-    assert not all(run.passed(EXPECTED)), f"{name}: scored correct: {run}"
+    assert not any(run.passed(EXPECTED)), f"{name}: a test scored correct: {run}"
     assert run.ended in stopped_by, f"{name}: ended by {run.ended!r} ({run.detail}), expected {stopped_by}"
     assert len(run.stdout) <= TIGHT.output_bytes and len(run.stderr) <= TIGHT.output_bytes
 

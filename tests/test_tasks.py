@@ -52,7 +52,7 @@ def test_the_config_names_the_built_in_graders_that_trainer_problems_builds():
 
 @pytest.mark.parametrize("override, said", [
     (["task.grader=reverse"], "task.grader='reverse': use one of ['math', 'exact', 'code'] or 'package.module:function'"),
-    (["task.grader=exact"], "task.grader='exact' with data.source=synthetic: the synthetic problems are arithmetic"),
+    (["task.grader=exact"], "task.grader='exact' with data.source=synthetic (family math): the synthetic math problems are graded by math"),
     (["task.grader=mod:f", "task.name=a b", "data.source=files", "data.train=x.jsonl"], "task.name='a b': use letters"),
 ])
 def test_a_bad_task_declaration_stops_at_config_load_naming_the_field(override, said):
@@ -248,3 +248,28 @@ def test_a_bad_row_stops_data_prep_in_a_few_lines_naming_the_file_row_and_fix(tm
                        "(GSM8K) or contain \\boxed{<answer>} (or set data.on_bad_row=skip to drop such rows)"), out
     assert len(out) <= 15, out
     assert not list((tmp_path / "art").glob("prepare_data/*/manifest.json"))  # no result written
+
+
+# ---------------------------------------------------------------- the code family (tiny-code)
+
+def test_tiny_codes_problems_are_held_out_by_what_they_compute_and_their_gold_answers_pass():
+    from trainer.data import synthetic
+
+    cfg = load_config("tiny-code", ["data.synthetic.n_train=3000", "data.synthetic.n_test=200"])
+    assert cfg.task.grader == "code" and cfg.grpo.rewards[0].name == "task"
+    data = synthetic(cfg.data.synthetic, cfg.seed)
+
+    steps = lambda ex: ex["messages"][0]["content"].split(" that ")[1]  # noqa: E731 - the operations, worded
+    assert not {steps(ex) for ex in data.test} & {steps(ex) for ex in data.train}
+    assert len({ex["messages"][0]["content"] for ex in data.test}) == 200
+    styles = {("    y = " in ex["messages"][-1]["content"]) for ex in data.train}
+    assert styles == {True, False}  # worked and direct answers both in SFT
+    task = task_of(cfg.task)
+    sample = data.train[:40] + data.test[:40]
+    verdicts = task.grade_all([ex["messages"][-1]["content"] for ex in sample], sample)
+    assert all(v == (1.0, True) for v in verdicts), verdicts
+    wrong = task.grade_all([ex["messages"][-1]["content"].replace("return", "return 1 +", 1) for ex in sample[:10]],
+                           sample[:10])
+    assert not any(v.correct for v in wrong)
+    with pytest.raises(ConfigError, match="task.grader='math' with data.source=synthetic \\(family code\\)"):
+        load_config("tiny-code", ["task.grader=math"])

@@ -31,8 +31,12 @@ class Strict(BaseModel):
 
 
 class SyntheticData(Strict):
-    """GSM8K-style word problems generated locally (the embedded default's task)."""
+    """Problems generated locally: GSM8K-style word problems (the embedded default's task), or, with
+    family=code, functions to write that compute the same kind of arithmetic chain."""
 
+    family: Literal["math", "code"] = Field(
+        "math", description="math: word problems answered '#### n'; code: 'Write a Python function f(x) that "
+        "adds 3 to x, then ...' answered by a fenced function, graded by its hidden tests (task.grader=code)")
     n_train: int = Field(20000, ge=1, description="training problems to generate")
     n_test: int = Field(500, ge=1, description="held-out problems to generate")
     min_ops: int = Field(1, ge=1, le=8, description="fewest arithmetic steps per problem")
@@ -42,7 +46,8 @@ class SyntheticData(Strict):
     worked_fraction: float = Field(
         1.0, ge=0.0, le=1.0,
         description="share of training answers that show their worked steps; the rest give only "
-        "'#### n', as terse answers do in real SFT data",
+        "'#### n', as terse answers do in real SFT data (code: one statement a step; the rest return one "
+        "expression)",
     )
     tool_fraction: float = Field(
         0.0, ge=0.0, le=1.0,
@@ -535,10 +540,11 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _tokenizer_needs_scratch_model(self) -> "RunConfig":
-        if self.data.source == "synthetic" and self.task.grader != "math":
-            raise ValueError(f"task.grader={self.task.grader!r} with data.source=synthetic: the synthetic problems "
-                             "are arithmetic, graded by math; give your task's rows (data.source=files, data.train) "
-                             "or use task.grader=math")
+        family = self.data.synthetic.family
+        if self.data.source == "synthetic" and self.task.grader != family:
+            raise ValueError(f"task.grader={self.task.grader!r} with data.source=synthetic (family {family}): the "
+                             f"synthetic {family} problems are graded by {family}; set task.grader={family}, another "
+                             "data.synthetic.family, or give your task's rows (data.source=files, data.train)")
         if self.model.pretrained and self.tokenizer.train:
             raise ValueError(
                 "tokenizer.train=true with model.pretrained set: a pretrained model uses its own "

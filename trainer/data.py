@@ -81,11 +81,36 @@ def held_out_equation(equation: tuple, seed: int, fraction: float) -> bool:
 
 def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
     """Deterministic train/test sets split by equation: a held-out problem's equation (start value,
-    every operation and operand) never appears in training, whatever the names and wording.
+    every operation and operand; for code, every operation and operand of the function) never
+    appears in training, whatever the names and wording.
 
     Problems come from one generator stream; each goes to the side its equation belongs to
     (held_out_equation), so both sides keep the generator's mix of steps and operations. Test
     questions are distinct; the same held-out equation may recur in test with other words."""
+    if cfg.family == "code":
+        from trainer.problems import code
+
+        def draw(rng: random.Random):
+            q, worked, direct, equation, fields = code.generate_problem(rng, cfg)
+            terse = lambda style: style is not None and style >= cfg.worked_fraction  # noqa: E731
+            return q, equation, lambda ex_id, style: {
+                **make_example(ex_id, q, direct if terse(style) else worked, worked), **fields}
+    else:
+        def draw(rng: random.Random):
+            q, a, final, equation = generate_problem(rng, cfg)
+
+            def example(ex_id: str, style: float | None) -> dict[str, Any]:
+                if style is not None and style < cfg.tool_fraction:
+                    return tool_example(ex_id, q, equation, final)
+                short = style is not None and style >= cfg.tool_fraction + (1 - cfg.tool_fraction) * cfg.worked_fraction
+                return make_example(ex_id, q, f"#### {final}" if short else a, final)
+
+            return q, equation, example
+    return _split_by_equation(cfg, seed, draw)
+
+
+def _split_by_equation(cfg: SyntheticData, seed: int, draw) -> PreparedData:
+    """`draw(rng)` -> (question, equation, example(id, style draw or None for a held-out one))."""
     rng = random.Random(seed)
     style = random.Random(f"{seed}/answer-style")  # its own stream: the questions do not depend on it
     seen: set[str] = set()
@@ -101,24 +126,18 @@ def synthetic(cfg: SyntheticData, seed: int) -> PreparedData:
                 f"{STALE_DRAWS} draws, so these settings have no more distinct problems; raise digits or max_ops, "
                 "or lower n_train/n_test"
             )
-        q, a, final, equation = generate_problem(rng, cfg)
+        q, equation, example = draw(rng)
         if held_out_equation(equation, seed, cfg.held_out_fraction):
             if len(test) >= cfg.n_test or q in seen:
                 continue
             seen.add(q)
-            test.append(make_example(f"syn-{len(test)}", q, a, final))
+            test.append(example(f"syn-{len(test)}", None))
             stale = 0
             continue
         if len(train) >= cfg.n_train:
             continue
         stale = 0
-        draw = style.random()
-        if draw < cfg.tool_fraction:
-            train.append(tool_example(f"syn-{len(train)}", q, equation, final))
-            continue
-        if draw >= cfg.tool_fraction + (1 - cfg.tool_fraction) * cfg.worked_fraction:
-            a = f"#### {final}"
-        train.append(make_example(f"syn-{len(train)}", q, a, final))
+        train.append(example(f"syn-{len(train)}", style.random()))
     return PreparedData(train=train, test=test)
 
 

@@ -122,8 +122,10 @@ def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdi
     """Rows and scores of (text, response tokens, finish reason, extra columns, the environment's own
     verdict or None) per example; the task grades where the environment did not."""
     rows = []
-    for ex, (text, n_tokens, reason, extra, own) in zip(examples, answers):
-        verdict = own if own is not None else task.grade(text, ex)
+    todo = [i for i, a in enumerate(answers) if a[4] is None]  # what the environment did not grade
+    graded = dict(zip(todo, task.grade_all([answers[i][0] for i in todo], [examples[i] for i in todo])))
+    for i, (ex, (text, n_tokens, reason, extra, own)) in enumerate(zip(examples, answers)):
+        verdict = own if own is not None else graded[i]
         row = {"id": ex["id"], "question": question_of(ex), "gold": ex["answer"], "response": text,
                "predicted": task.predicted(text), "correct": verdict.correct}
         if task.lenient is not None and own is None:

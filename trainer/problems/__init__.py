@@ -49,10 +49,17 @@ class Task:
     # data prep: the gold answer from the answer column's text (raises DataError naming where and the fix)
     answer_of: Callable[[str, str, str], str] = lambda text, where, field_name: text.strip()
     check_row: Callable[[dict[str, Any], str], None] = lambda example, where: None
+    # many at once (code: several sandboxes in parallel); None: one after another
+    grade_many: Callable[[list[str], list[dict[str, Any]]], list[Verdict]] | None = None
 
     @property
     def is_math(self) -> bool:
         return self.grader == "math"
+
+    def grade_all(self, responses: list[str], examples: list[dict[str, Any]]) -> list[Verdict]:
+        if self.grade_many is not None:
+            return self.grade_many(responses, examples)
+        return [self.grade(r, ex) for r, ex in zip(responses, examples)]
 
 
 # ---------------------------------------------------------------- math
@@ -115,7 +122,8 @@ def _code_task(name: str) -> Task:
         except code.CodeRowError as exc:
             raise DataError(str(exc)) from None
 
-    return Task(name, "code", code.grade, format_ok=lambda r: code.FENCE in r, check_row=check_row)
+    return Task(name, "code", code.grade, format_ok=lambda r: code.FENCE in r, check_row=check_row,
+                grade_many=code.grade_all)
 
 
 # ---------------------------------------------------------------- a function of the user's

@@ -10,7 +10,13 @@ pass (partial credit for a reward). Found in time linear in the response's lengt
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import random
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trainer.errors import InputError
@@ -53,11 +59,42 @@ def check_row(row: dict[str, Any], where: str) -> None:
 
 
 _said: set[str] = set()
+# verdicts of programs already run against the same tests: a round's samples often repeat a program
+_memo: OrderedDict[str, Verdict] = OrderedDict()
+_memo_lock = threading.Lock()
+MEMO_SIZE = 8192
 
 
 def grade(response: str, row: dict[str, Any], limits: Limits = Limits()) -> Verdict:
+    program = code_of(response)
+    key = hashlib.sha256(json.dumps([program, row["entry"], row["tests"], limits.__dict__]).encode()).hexdigest()
+    with _memo_lock:
+        if key in _memo:
+            _memo.move_to_end(key)
+            return _memo[key]
+    verdict = _graded(program, row, limits)
+    with _memo_lock:
+        _memo[key] = verdict
+        while len(_memo) > MEMO_SIZE:
+            _memo.popitem(last=False)
+    return verdict
+
+
+def grade_all(responses: list[str], rows: list[dict[str, Any]], workers: int | None = None) -> list[Verdict]:
+    """Each response graded against its row, several sandboxes at once (one per core: each is a
+    process of its own that mostly waits on the interpreter's start)."""
+    import os
+
+    workers = workers or max(1, len(os.sched_getaffinity(0)))
+    if workers == 1 or len(responses) < 2:
+        return [grade(r, row) for r, row in zip(responses, rows)]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(grade, responses, rows))
+
+
+def _graded(program: str, row: dict[str, Any], limits: Limits) -> Verdict:
     tests = row["tests"]
-    execution = run(code_of(response), row["entry"], [t["args"] for t in tests], limits)
+    execution = run(program, row["entry"], [t["args"] for t in tests], limits)
     if execution.isolation not in _said:  # once a process: which isolation the policy's code gets
         _said.add(execution.isolation)
         (log.info if execution.isolation == "root" else log.warning)(
@@ -73,3 +110,44 @@ def grade(response: str, row: dict[str, Any], limits: Limits = Limits()) -> Verd
 def reward(response: str, example: dict[str, Any]) -> float:
     """A GRPO reward (`grpo.rewards: [{name: trainer.problems.code:reward}]`): the share of tests passed."""
     return grade(response, example).score
+
+
+# ---------------------------------------------------------------- synthetic problems (data.synthetic.family=code)
+
+STEPS = {"+": ("adds {n} to {v}", "increases {v} by {n}"), "-": ("subtracts {n} from {v}", "takes {n} away from {v}"),
+         "*": ("multiplies {v} by {n}", "scales {v} by {n}")}
+NAMES = ("f", "g", "h", "calc", "step")
+TEST_INPUTS = range(-5, 11)
+
+
+def generate_problem(rng: random.Random, cfg) -> tuple[str, str, str, tuple, dict[str, Any]]:
+    """One function to write: (question, worked answer, direct answer, equation, its row's fields).
+    The equation is (("+", 3), ("*", 2), ...): what the function computes from its argument, whatever
+    its name and wording; the row's `tests` call it on 4 arguments."""
+    lo, hi = (1 if cfg.digits == 1 else 10 ** (cfg.digits - 1)), 10**cfg.digits - 1
+    name = rng.choice(NAMES)
+    ops = [(rng.choice(cfg.ops), 0) for _ in range(rng.randint(cfg.min_ops, cfg.max_ops))]
+    ops = [(op, rng.randint(max(lo, 2) if op == "*" else lo, hi)) for op, _ in ops]
+    clauses = [rng.choice(STEPS[op]).format(n=n, v="x" if i == 0 else "the result") for i, (op, n) in enumerate(ops)]
+    question = f"Write a Python function {name}(x) that {', then '.join(clauses)}."
+    steps = "".join(f"    y = {'x' if i == 0 else 'y'} {op} {n}\n" for i, (op, n) in enumerate(ops))
+    worked = f"```python\ndef {name}(x):\n{steps}    return y\n```"
+    direct = f"```python\ndef {name}(x):\n    return {_expression(ops)}\n```"
+    args = sorted(rng.sample(TEST_INPUTS, 4))
+    tests = [{"args": [a], "expected": _apply(ops, a)} for a in args]
+    return question, worked, direct, tuple(ops), {"entry": name, "tests": tests}
+
+
+def _expression(ops: list[tuple[str, int]]) -> str:
+    text = "x"
+    for op, n in ops:
+        if op == "*" and ("+" in text or "-" in text):
+            text = f"({text})"
+        text = f"{text} {op} {n}"
+    return text
+
+
+def _apply(ops: list[tuple[str, int]], x: int) -> int:
+    for op, n in ops:
+        x = x + n if op == "+" else x - n if op == "-" else x * n
+    return x

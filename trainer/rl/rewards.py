@@ -97,12 +97,22 @@ def split_dotted(name: str) -> tuple[str, str]:
     return module_name, attr
 
 
-def task_reward(task) -> RewardFn:
-    """The `task` reward: the score of the run's task's grader (trainer.problems; math: 1 or 0)."""
-    def reward(response: str, example: dict[str, Any]) -> float:
-        return task.grade(response, example).score
+class TaskReward:
+    """The `task` reward: the score of the run's task's grader (trainer.problems; math: 1 or 0),
+    a round's samples graded together (code: several sandboxes at once)."""
 
-    return reward
+    def __init__(self, task) -> None:
+        self.task = task
+
+    def __call__(self, response: str, example: dict[str, Any]) -> float:
+        return self.task.grade(response, example).score
+
+    def score(self, responses: list[str], examples: list[dict[str, Any]]) -> list[float]:
+        return [v.score for v in self.task.grade_all(responses, examples)]
+
+
+def task_reward(task) -> RewardFn:
+    return TaskReward(task)
 
 
 def resolve(name: str, path: str | None = None, task=None) -> RewardFn:
@@ -178,7 +188,7 @@ class RewardMix:
         parts: dict[str, list[float]] = {}
         self.raised = {}
         for name, fn in zip(self.names, self.fns):
-            if isinstance(fn, RewardModel):
+            if isinstance(fn, RewardModel) or (isinstance(fn, TaskReward) and fn.task.grade_many is not None):
                 values = fn.score(responses, examples)
             else:
                 values = _called(name, fn, responses, examples, self.raised)
