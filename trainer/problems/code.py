@@ -121,7 +121,8 @@ TEST_INPUTS = range(-5, 11)
 
 
 def generate_problem(rng: random.Random, cfg) -> tuple[str, str, str, tuple, dict[str, Any]]:
-    """One function to write: (question, worked answer, direct answer, equation, its row's fields).
+    """One function to write: (question, worked answer (a statement a step), direct answer (one
+    expression, its constants worked out), equation, its row's fields).
     The equation is (("+", 3), ("*", 2), ...): what the function computes from its argument, whatever
     its name and wording; the row's `tests` call it on 4 arguments."""
     lo, hi = (1 if cfg.digits == 1 else 10 ** (cfg.digits - 1)), 10**cfg.digits - 1
@@ -132,19 +133,20 @@ def generate_problem(rng: random.Random, cfg) -> tuple[str, str, str, tuple, dic
     question = f"Write a Python function {name}(x) that {', then '.join(clauses)}."
     steps = "".join(f"    y = {'x' if i == 0 else 'y'} {op} {n}\n" for i, (op, n) in enumerate(ops))
     worked = f"```python\ndef {name}(x):\n{steps}    return y\n```"
-    direct = f"```python\ndef {name}(x):\n    return {_expression(ops)}\n```"
+    direct = f"```python\ndef {name}(x):\n    return {_simplified(ops)}\n```"
     args = sorted(rng.sample(TEST_INPUTS, 4))
     tests = [{"args": [a], "expected": _apply(ops, a)} for a in args]
     return question, worked, direct, tuple(ops), {"entry": name, "tests": tests}
 
 
-def _expression(ops: list[tuple[str, int]]) -> str:
-    text = "x"
+def _simplified(ops: list[tuple[str, int]]) -> str:
+    """The chain as one linear expression with its constants worked out in the head ("adds 3, then
+    multiplies by 2" -> "2 * x + 6"): what a terse answer writes, and where a small model errs."""
+    a, b = 1, 0
     for op, n in ops:
-        if op == "*" and ("+" in text or "-" in text):
-            text = f"({text})"
-        text = f"{text} {op} {n}"
-    return text
+        a, b = (a * n, b * n) if op == "*" else (a, b + n if op == "+" else b - n)
+    text = "x" if a == 1 else f"{a} * x"
+    return text if b == 0 else f"{text} {'+' if b > 0 else '-'} {abs(b)}"
 
 
 def _apply(ops: list[tuple[str, int]], x: int) -> int:
