@@ -298,6 +298,8 @@ class Comparison:
             lines.append(self.data)
         lines.append(f"{'metric':<22}{'run':>12}{'baseline':>12}{'delta':>12}")
         for name, mine, base in self.rows:
+            if mine is None and base is None:  # neither run has it (a task with one verdict has no flexible)
+                continue
             delta = mine - base if mine is not None and base is not None else None
             pct = "accuracy" in name
             lines.append(f"{name:<22}{_fmt(mine, pct):>12}{_fmt(base, pct):>12}{_fmt(delta, pct, sign=True):>12}")

@@ -88,15 +88,9 @@ def test_exact_reads_the_answer_after_the_last_marker_else_the_last_line_in_line
     task = task_of(load_config("tiny", ["task.grader=exact", "data.source=files", "data.train=x"]).task)
     assert task.grade("It is\nieag", {"answer": "ieag"}) == (1.0, True)
     assert task.grade("It is\nieag.", {"answer": "ieag"}) == (0.0, False)
-    import time
+    from tests.growth import assert_linear
 
-    seconds = []
-    for n in (200_000, 800_000):
-        text = "\n" * n + "####" * (n // 4)
-        t0 = time.perf_counter()
-        exact_answer(text)
-        seconds.append(time.perf_counter() - t0)
-    assert seconds[1] < 4 * 3 * seconds[0] + 0.05, seconds
+    assert_linear(exact_answer, lambda n: "\n" * n + "####" * (n // 4), 20_000, "exact_answer on newlines and markers")
 
 
 def test_data_prep_reads_a_non_math_rows_answer_as_its_task_does_and_keeps_its_columns(tmp_path):
