@@ -93,7 +93,7 @@ def test_every_stage_ran_on_the_pretrained_folder_and_real_rows(run):
     history = [json.loads(x) for x in (Path(grpo["uri"]) / "history.jsonl").read_text().splitlines()]
     assert [h["round"] for h in history] == [1, 2, 3]
     for h in history:
-        assert "reward/task" in h and len([k for k in h if k.startswith("reward/") and "digit_share" in k]) == 1
+        assert "reward/math" in h and len([k for k in h if k.startswith("reward/") and "digit_share" in k]) == 1
     updated = [h for h in history if not h.get("update/skipped")]
     assert updated, "no round had a group with a learning signal"
     for h in updated:
