@@ -26,6 +26,7 @@ import json
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,9 +168,9 @@ def run(program: str, entry: str, inputs: list[list], limits: Limits = Limits())
         os.close(mode_r)
         cpu = [float(x.split()[1]) for x in tail.splitlines() if x.startswith("cpu ")]
         out.cpu_s = cpu[0] if cpu else None
-        _remove(Path(folder))
+        shutil.rmtree(folder, ignore_errors=True)
     out.wall_s = time.monotonic() - t0
-    out.exit_code = proc.returncode if out.exit_code is None else out.exit_code
+    out.exit_code = proc.returncode
     out.stdout, out.stderr = (kept[k][: limits.output_bytes].decode(errors="replace") for k in ("stdout", "stderr"))
     _parse(kept["results"], out, len(inputs))
     if out.ended == "exit":
@@ -251,18 +252,6 @@ def _why(code: int, out: Execution, limits: Limits) -> tuple[str, str]:
     if "MemoryError" in out.stderr or any("MemoryError" in v.get("error", "") for v in out.values):
         return "memory", f"{limits.memory_mb} MB of address space"
     return "exit", f"exit code {code}"
-
-
-def _remove(p: Path) -> None:
-    try:
-        if p.is_dir() and not p.is_symlink():
-            for c in p.iterdir():
-                _remove(c)
-            p.rmdir()
-        else:
-            p.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def isolation() -> str:

@@ -111,17 +111,13 @@ class TaskReward:
         return [v.score for v in self.task.grade_all(responses, examples)]
 
 
-def task_reward(task) -> RewardFn:
-    return TaskReward(task)
-
-
 def resolve(name: str, path: str | None = None, task=None) -> RewardFn:
     """A reward function by built-in name, `task` (the run's task's grader: `task`, a
     trainer.problems.Task, default math), `reward_model` (with path), or dotted path."""
     if name == "task":
         from trainer.problems import task_of
 
-        return task_reward(task or task_of())
+        return TaskReward(task or task_of())
     if name in BUILTIN:
         return BUILTIN[name]
     if name == "reward_model":
