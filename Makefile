@@ -26,8 +26,13 @@ $(VENV)/.kernels: $(VENV)/.installed $(wildcard trainer/csrc/*.cpp) trainer/kern
 	$(BIN)/python -m trainer.kernels || echo "posttrain: the C++ kernels did not build; decoding and training will use torch ops"
 	touch $@
 
+# The GSM8K presets load openai/gsm8k by hub name; where a local copy is (GSM8K_DIR, with train.jsonl and
+# test.jsonl), they read it instead, offline (docs/gsm8k.md).
+GSM8K_DIR ?= ../shared/data/gsm8k
+GSM8K_FILES = $(if $(and $(findstring gsm8k,$(PRESET)),$(wildcard $(GSM8K_DIR)/train.jsonl)),--set data.source=files \
+	--set data.train=$(abspath $(GSM8K_DIR))/train.jsonl --set data.test=$(abspath $(GSM8K_DIR))/test.jsonl)
 speedrun: setup
-	$(BIN)/posttrain speedrun --preset $(PRESET) $(ARGS)
+	$(BIN)/posttrain speedrun --preset $(PRESET) $(GSM8K_FILES) $(ARGS)
 
 # SGLang servers run from their own environment (sglang pins another torch and transformers), built
 # once per machine outside the clone and shared by every clone: see deployments/sglang_env.py.

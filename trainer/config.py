@@ -93,6 +93,15 @@ class DataConfig(Strict):
     test_size: int = Field(500, ge=1, description="rows split off train when no test file is given")
     max_train: int | None = Field(None, ge=1)
     max_test: int | None = Field(None, ge=1)
+    test_sample: int | None = Field(
+        None, ge=1, description="evaluate on this many test rows drawn once by seed (kept in file order; the "
+        "prepared test split lists them), not the first max_test")
+    dev_size: int = Field(
+        0, ge=0, description="training rows drawn by seed and set aside as a dev split: never trained on, "
+        "whichever split the evals read (choose settings on them, not on the test split)")
+    held_out: Literal["test", "dev"] = Field(
+        "test", description="what every eval scores: the test split, or the dev split (data.dev_size rows "
+        "carved from train; the test file is then not read)")
     system_prompt: str | None = None
     calculator_annotations: Literal["keep", "strip", "tool"] = Field(
         "keep", description="GSM8K-style '<<48/2=24>>' in answers: keep them in the SFT targets, strip them, or "
@@ -109,6 +118,12 @@ class DataConfig(Strict):
             raise ValueError("source=files needs data.train (a local path or s3:// URI)")
         if self.source == "hub" and not self.hub_name:
             raise ValueError("source=hub needs data.hub_name (for example openai/gsm8k)")
+        if self.held_out == "dev" and not self.dev_size:
+            raise ValueError("data.held_out=dev needs data.dev_size (how many training rows to set aside as the "
+                             "dev split)")
+        if self.source == "synthetic" and (self.dev_size or self.test_sample):
+            raise ValueError("data.dev_size and data.test_sample are for data from files or the hub; synthetic "
+                             "problems are held out by equation (data.synthetic.n_test)")
         return self
 
 
@@ -465,6 +480,17 @@ class EvalConfig(Strict):
         "rollout", description="who answers the eval stages: rollout = the rollout engine (with "
         "rollout.engine=sglang, servers launched for each eval stage on the evaluated model); hf = HF generate "
         "in the stage's process, no server launch (on CPU a server start costs more than a small model's eval)")
+    lm_eval: bool = Field(
+        False, description="also score every answer as lm-evaluation-harness's gsm8k task does (its strict-match "
+        "and flexible-extract filters and exact_match; trainer/lm_eval_gsm8k.py): the rows' correct_lm_strict and "
+        "correct_lm_flexible, eval/lm_strict_accuracy and eval/lm_flexible_accuracy. Math tasks only")
+    pretrained: bool = Field(
+        False, description="the SFT eval stage also scores model.pretrained, the policy before SFT "
+        "(eval/pretrained_*), on the same held-out problems; HF generate in the stage's process")
+    few_shot: int = Field(
+        0, ge=0, le=16, description="also score the starting policy (model.pretrained) with this many training "
+        "problems and their worked answers as earlier chat turns before each question (eval/few_shot_*): the same "
+        "shots for every question, drawn once by seed; needs eval.pretrained, or sft.enabled=false")
 
 
 class ControlConfig(Strict):
@@ -557,6 +583,22 @@ class RunConfig(Strict):
             raise ValueError("control.enabled=true with sft.enabled=false: the control's default budget is GRPO's "
                              "seconds at SFT's measured pace, and no SFT runs to measure it; set control.steps "
                              "(a fixed number of SFT steps from the pretrained model) or control.enabled=false")
+        ev = self.eval
+        if ev.lm_eval and self.task.grader != "math":
+            raise ValueError(f"eval.lm_eval=true with task.grader={self.task.grader!r}: lm-evaluation-harness's GSM8K "
+                             "scorers read a final number; use them with task.grader=math, or set eval.lm_eval=false")
+        if (ev.pretrained or ev.few_shot) and not self.model.pretrained:
+            raise ValueError("eval.pretrained / eval.few_shot score model.pretrained, which is not set: set "
+                             "model.pretrained, or eval.pretrained=false and eval.few_shot=0")
+        if ev.few_shot and self.sft.enabled and not ev.pretrained:
+            raise ValueError(f"eval.few_shot={ev.few_shot} with SFT on: the few-shot score is the pretrained "
+                             "policy's, measured beside its zero-shot score; set eval.pretrained=true too")
+        if ev.few_shot and self.rollout.environment.multi_turn:
+            raise ValueError("eval.few_shot with a multi-turn rollout.environment: shots are single-turn chat turns; "
+                             "set eval.few_shot=0")
+        if (ev.pretrained or ev.few_shot) and self.eval_engine() == "sglang":
+            raise ValueError("eval.pretrained / eval.few_shot run in the SFT eval stage's process (HF generate); "
+                             "set eval.engine=hf, or eval.pretrained=false and eval.few_shot=0")
         if self.control.enabled and not self.grpo.enabled:
             raise ValueError("control.enabled=true needs grpo.enabled=true: the control's budget is GRPO's "
                              "training time; enable grpo or set control.enabled=false")

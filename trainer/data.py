@@ -537,8 +537,17 @@ def prepare(cfg: DataConfig, seed: int, task=None) -> PreparedData:
     skipped: list[str] = []
     label, rows = _load_rows(cfg, "train")
     train = _normalise_all(label, rows, cfg, None, skipped, "train", task)
+    dev: list[dict[str, Any]] = []
+    if cfg.dev_size:  # set aside before anything else reads train: the same training rows either way
+        if cfg.dev_size >= len(train):
+            raise DataError(f"data.dev_size={cfg.dev_size} leaves no training rows out of {len(train)}; lower it")
+        picked = set(random.Random(f"{seed}/dev").sample(range(len(train)), cfg.dev_size))
+        dev = [ex for i, ex in enumerate(train) if i in picked]
+        train = [ex for i, ex in enumerate(train) if i not in picked]
     has_test = cfg.test is not None if cfg.source == "files" else cfg.hub_test_split is not None
-    if has_test:
+    if cfg.held_out == "dev":
+        test = dev
+    elif has_test:
         tlabel, trows = _load_rows(cfg, "test")
         test = _normalise_all(tlabel, trows, cfg, cfg.max_test, skipped, "test", task)
     else:
@@ -553,6 +562,9 @@ def prepare(cfg: DataConfig, seed: int, task=None) -> PreparedData:
         train = train[: cfg.max_train]
     if cfg.max_test is not None:
         test = test[: cfg.max_test]
+    if cfg.test_sample is not None and cfg.test_sample < len(test):
+        picked = set(random.Random(f"{seed}/test-sample").sample(range(len(test)), cfg.test_sample))
+        test = [ex for i, ex in enumerate(test) if i in picked]
     return PreparedData(train=train, test=test, skipped=skipped)
 
 

@@ -37,6 +37,7 @@ class EvalResult:
     flexible_accuracy: float = float("nan")
     tools: dict[str, float] = field(default_factory=dict)  # multi-turn: tool calls and successes
     mean_score: float = float("nan")  # the grader's partial credit (a task other than math)
+    lm_eval: dict[str, float] = field(default_factory=dict)  # eval.lm_eval: lm-evaluation-harness's GSM8K scores
     over_context: int = 0  # prompts as long as the model's context (or SGLang's limit): no answer, scored wrong
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -44,24 +45,27 @@ class EvalResult:
                 f"{prefix}format_rate": self.format_rate,
                 f"{prefix}mean_response_tokens": self.mean_response_tokens, f"{prefix}n": float(self.n),
                 **{f"{prefix}{k}": v for k, v in self.tools.items()},
+                **{f"{prefix}{k}": v for k, v in self.lm_eval.items()},
                 **({f"{prefix}prompts_over_context": float(self.over_context)} if self.over_context else {}),
                 **({f"{prefix}mean_score": self.mean_score} if self.mean_score == self.mean_score else {})}
 
 
 def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, examples: list[dict], cfg: EvalConfig,
-             engine=None, environment=None, label: str = "eval", task: Task | None = None) -> EvalResult:
+             engine=None, environment=None, label: str = "eval", task: Task | None = None,
+             shots: list[dict] | None = None) -> EvalResult:
     """Greedy answers to `examples`, from `model` in this process, or from a rollout engine (an
     SGLang one: the same prompts, greedy, the same token limit) when `engine` is given. With
     `environment` (a `trainer.config.EnvironmentConfig` naming a multi-turn one) each answer is a
     greedy episode with the environment's tools, at most max_new_tokens a turn. `label` names the
     eval in its progress (`eval (sft) held-out: 300/1000 answers ...`). `task` (trainer.problems;
-    default math) gives each answer its verdict."""
+    default math) gives each answer its verdict. `shots` (training examples) go before each question as
+    earlier chat turns, its question and worked answer each (a few-shot eval; single-turn only)."""
     examples = examples[: cfg.max_examples] if cfg.max_examples else examples
     task = task or task_of()
     t0 = time.perf_counter()
     if environment is not None and environment.multi_turn:
         return _evaluate_episodes(model, tok, examples, cfg, engine, environment, t0, label, task)
-    prompts = [encode_prompt(tok, prompt_messages(ex)) for ex in examples]
+    prompts = [encode_prompt(tok, with_shots(prompt_messages(ex), shots or [])) for ex in examples]
     over = _over_context(model, prompts, label, engine)
     with progress_bar(label, total=len(prompts), unit="answers") as bar:
         if engine is not None:
@@ -71,7 +75,8 @@ def evaluate(model: torch.nn.Module | None, tok: PreTrainedTokenizerBase, exampl
         else:
             gens = generate(model, tok, prompts, cfg.max_new_tokens, temperature=0.0,
                             batch_size=cfg.batch_size, progress=bar, logprobs=False)
-    result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}, None) for g in gens], t0, task)
+    result = _result(examples, [(g.text, len(g.token_ids), g.finish_reason, {}, None) for g in gens], t0, task,
+                     cfg.lm_eval)
     result.over_context = over
     return result
 
@@ -112,15 +117,28 @@ def _evaluate_episodes(model, tok, examples, cfg: EvalConfig, engine, environmen
                  "turns": sum(x["role"] == "assistant" for x in t.turns)},
                 None if t.reward is None else Verdict(t.reward, t.reward >= 1.0 if t.correct is None else t.correct))
                for t in trajs]
-    result = _result(examples, answers, t0, task)
+    result = _result(examples, answers, t0, task, cfg.lm_eval)
     result.tools = tool_use(trajs)
     return result
 
 
+def with_shots(messages: list[dict[str, str]], shots: list[dict]) -> list[dict[str, str]]:
+    """A prompt's messages with each shot's question and worked answer as earlier user and assistant
+    turns, after the system prompt (lm-evaluation-harness's few-shot as multi-turn chat)."""
+    if not shots:
+        return messages
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns = [m for shot in shots for m in shot["messages"] if m["role"] in ("user", "assistant")]
+    return system + turns + messages[len(system):]
+
+
 def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdict | None]], t0: float,
-            task: Task) -> EvalResult:
+            task: Task, lm_eval: bool = False) -> EvalResult:
     """Rows and scores of (text, response tokens, finish reason, extra columns, the environment's own
-    verdict or None) per example; the task grades where the environment did not."""
+    verdict or None) per example; the task grades where the environment did not. `lm_eval`: each row is
+    also scored as lm-evaluation-harness's gsm8k task scores it (trainer/lm_eval_gsm8k.py)."""
+    from trainer import lm_eval_gsm8k
+
     rows = []
     todo = [i for i, a in enumerate(answers) if a[4] is None]  # what the environment did not grade
     graded = dict(zip(todo, task.grade_all([answers[i][0] for i in todo], [examples[i] for i in todo])))
@@ -134,6 +152,10 @@ def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdi
             row["correct_flexible"] = verdict.correct
         if not task.is_math or own is not None:
             row["score"] = verdict.score
+        if lm_eval:
+            for mode in ("strict", "flexible"):
+                row[f"lm_{mode}"] = lm_eval_gsm8k.extract(text, mode)[:100]
+                row[f"correct_lm_{mode}"] = lm_eval_gsm8k.correct(text, ex["answer"], mode)
         row.update({"format_ok": task.format_ok(text) if task.format_ok else None, "response_tokens": n_tokens,
                     "finish_reason": reason, **extra})
         rows.append(row)
@@ -147,4 +169,6 @@ def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdi
         mean_response_tokens=sum(r["response_tokens"] for r in rows) / n,
         n=len(rows), seconds=time.perf_counter() - t0, rows=rows,
         mean_score=sum(scores) / len(scores) if scores and not task.is_math else float("nan"),
+        lm_eval={f"lm_{mode}_accuracy": sum(r[f"correct_lm_{mode}"] for r in rows) / n
+                 for mode in ("strict", "flexible")} if lm_eval else {},
     )
