@@ -98,7 +98,8 @@ def _starting_policy(cfg, data: dict, tok, policy, evaluated_stage: str, test: l
     if ev.few_shot and start is not None:
         shots = few_shot_examples(load_split(data, "train"), ev.few_shot, cfg.seed)
         storage.write_text(str(work / "few_shot_ids.json"), json.dumps([s["id"] for s in shots]))
-        result = evaluate(start, tok, test, ev, label=f"{label} held-out, {ev.few_shot}-shot", task=task, shots=shots)
+        some = test[: ev.few_shot_examples] if ev.few_shot_examples else test
+        result = evaluate(start, tok, some, ev, label=f"{label} held-out, {ev.few_shot}-shot", task=task, shots=shots)
         storage.write_jsonl(str(work / "few_shot_results.jsonl"), result.rows)
         metrics.update({**result.metrics("eval/few_shot_"), "eval/few_shot_seconds": result.seconds})
     return metrics

@@ -259,7 +259,8 @@ def report_start_eval(run: PipelineRun, results: dict) -> None:
             if value is not None and value == value:  # NaN: a task with one verdict
                 run.report(**{f"{name}_{key}": value})
     if "eval/few_shot_accuracy" in metrics:
-        run.report(few_shot_k=float(run.cfg.eval.few_shot))
+        run.report(few_shot_k=float(run.cfg.eval.few_shot), few_shot_n=metrics["eval/few_shot_n"],
+                   held_out_n=metrics["eval/n"])
     if run.cfg.sft.enabled:
         run.report(sft_accuracy=accuracy)
 
