@@ -80,8 +80,8 @@ def body(cfg, inputs: dict, ref, fault: dict):
 
 def _starting_policy(cfg, data: dict, tok, policy, evaluated_stage: str, test: list[dict], task, work: Path,
                      label: str) -> dict[str, float]:
-    """eval.pretrained: model.pretrained (the policy SFT started from) on the same held-out problems
-    (eval/pretrained_*, pretrained_results.jsonl); eval.few_shot: the starting policy with k training
+    """eval.pretrained: model.pretrained (the policy SFT started from) on the same held-out problems (the
+    first eval.pretrained_examples of them) (eval/pretrained_*, pretrained_results.jsonl); eval.few_shot: the starting policy with k training
     problems as earlier turns (eval/few_shot_*, few_shot_results.jsonl, the shots' ids in
     eval/few_shot_ids.json)."""
     from trainer.engine import device
@@ -89,6 +89,7 @@ def _starting_policy(cfg, data: dict, tok, policy, evaluated_stage: str, test: l
     from trainer.model import build_model
 
     ev, metrics = cfg.eval, {}
+    test = test[: ev.pretrained_examples] if ev.pretrained_examples else test
     start = policy if evaluated_stage == "start" else None
     if ev.pretrained and start is None:
         start = build_model(cfg.model, tok, cfg.seed).to(device())
@@ -98,8 +99,7 @@ def _starting_policy(cfg, data: dict, tok, policy, evaluated_stage: str, test: l
     if ev.few_shot and start is not None:
         shots = few_shot_examples(load_split(data, "train"), ev.few_shot, cfg.seed)
         storage.write_text(str(work / "few_shot_ids.json"), json.dumps([s["id"] for s in shots]))
-        some = test[: ev.few_shot_examples] if ev.few_shot_examples else test
-        result = evaluate(start, tok, some, ev, label=f"{label} held-out, {ev.few_shot}-shot", task=task, shots=shots)
+        result = evaluate(start, tok, test, ev, label=f"{label} held-out, {ev.few_shot}-shot", task=task, shots=shots)
         storage.write_jsonl(str(work / "few_shot_results.jsonl"), result.rows)
         metrics.update({**result.metrics("eval/few_shot_"), "eval/few_shot_seconds": result.seconds})
     return metrics

@@ -259,8 +259,10 @@ def report_start_eval(run: PipelineRun, results: dict) -> None:
             if value is not None and value == value:  # NaN: a task with one verdict
                 run.report(**{f"{name}_{key}": value})
     if "eval/few_shot_accuracy" in metrics:
-        run.report(few_shot_k=float(run.cfg.eval.few_shot), few_shot_n=metrics["eval/few_shot_n"],
-                   held_out_n=metrics["eval/n"])
+        run.report(few_shot_k=float(run.cfg.eval.few_shot))
+    for name in ("pretrained", "few_shot"):
+        if f"eval/{name}_n" in metrics:
+            run.report(**{f"{name}_n": metrics[f"eval/{name}_n"], "held_out_n": metrics["eval/n"]})
     if run.cfg.sft.enabled:
         run.report(sft_accuracy=accuracy)
 

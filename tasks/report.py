@@ -89,9 +89,9 @@ def accuracy_lines(head: dict[str, float]) -> list[str]:
         lines.append(f"{label:<20}{held:>10.1%}{pct(flexible):>10}"
                      + (f"{pct(lm_strict):>10}{pct(lm_flexible):>10}" if lm else "")
                      + f"{pct(seen):>10}{gap:>10}")
-    if head.get("few_shot_n", 0) < head.get("held_out_n", 0):  # eval.few_shot_examples
-        lines.append(f"{'':<20}(the {head['few_shot_k']:.0f}-shot row: the first {head['few_shot_n']:.0f} of the "
-                     f"{head['held_out_n']:.0f} held-out problems)")
+    n = head.get("pretrained_n", head.get("few_shot_n", 0))
+    if 0 < n < head.get("held_out_n", 0):  # eval.pretrained_examples
+        lines.append(f"(the pretrained rows: the first {n:.0f} of the {head['held_out_n']:.0f} held-out problems)")
     if grpo_ran:
         versus = "GRPO vs " + ("SFT:" if sft_ran else "start:")
         lines.append(f"{versus:<17}fixed {head['grpo_fixed']:.0f}, broke {head['grpo_broken']:.0f} held-out "

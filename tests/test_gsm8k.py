@@ -173,7 +173,8 @@ def test_a_short_run_of_the_preset_through_the_cli_scores_every_model_both_ways(
                     "sft.max_steps=2", "sft.micro_batch_size=2", "sft.grad_accum=1", "sft.max_length=192",
                     "sft.warmup_steps=0", "grpo.rounds=1", "rollout.prompts_per_round=2",
                     "rollout.n_samples_per_prompt=2", "rollout.max_response_tokens=24", "rollout.dynamic_filter=none",
-                    "grpo.micro_batch_size=4", "eval.max_new_tokens=24", "eval.few_shot=2", "control.steps=1"]
+                    "grpo.micro_batch_size=4", "eval.max_new_tokens=24", "eval.few_shot=2", "eval.pretrained_examples=4",
+                    "control.steps=1"]
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "speedrun", "--preset", "smollm2-135m-gsm8k", "--json",
                            str(out), *[a for s in sets for a in ("--set", s)]], cwd=ROOT, env=env,
@@ -192,9 +193,10 @@ def test_a_short_run_of_the_preset_through_the_cli_scores_every_model_both_ways(
         assert label in table, table
     sft_eval = next(s for s in result["stages"] if s["stage"] == "eval")
     folder = Path(sft_eval["uri"])
-    for name in ("results", "pretrained_results", "few_shot_results"):
+    assert "(the pretrained rows: the first 4 of the 6 held-out problems)" in table
+    for name, n in (("results", 6), ("pretrained_results", 4), ("few_shot_results", 4)):
         rows = [json.loads(x) for x in (folder / f"{name}.jsonl").read_text().splitlines()]
-        assert len(rows) == 6
+        assert len(rows) == n
         for r in rows:
             assert r["correct_lm_strict"] == lm_eval_gsm8k.correct(r["response"], r["gold"], "strict")
             assert r["correct_lm_flexible"] == lm_eval_gsm8k.correct(r["response"], r["gold"], "flexible")

@@ -491,9 +491,10 @@ class EvalConfig(Strict):
         0, ge=0, le=16, description="also score the starting policy (model.pretrained) with this many training "
         "problems and their worked answers as earlier chat turns before each question (eval/few_shot_*): the same "
         "shots for every question, drawn once by seed; needs eval.pretrained, or sft.enabled=false")
-    few_shot_examples: int | None = Field(
-        None, ge=1, description="the few-shot score on the first N held-out problems only (each prompt carries "
-        "the shots: on CPU, k shots cost about as much as k answers); None: all of them")
+    pretrained_examples: int | None = Field(
+        None, ge=1, description="the pretrained policy's scores (eval.pretrained, eval.few_shot) on the first N "
+        "held-out problems only (on CPU an answer costs more than a small model's training step, and a few-shot "
+        "prompt carries k worked answers); None: all of them")
 
 
 class ControlConfig(Strict):
