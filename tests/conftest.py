@@ -247,6 +247,7 @@ LONGEST_FIRST = ["test_cluster",           # 600 (three simulated hosts)
                  "test_multirank",         # 308
                  "test_resume_kill",       # 258
                  "test_async",             # 258
+                 "test_gsm8k",             # ~250 (real weights: the preset through the CLI, Zen 3 estimate)
                  "test_smollm2_sglang",    # 174
                  "test_gpu_preset_path",   # 135
                  "test_concurrency",       # 170
