@@ -170,6 +170,7 @@ def test_the_few_shot_prompt_is_the_shots_as_earlier_turns_on_smollm2s_template(
 def test_a_short_run_of_the_preset_through_the_cli_scores_every_model_both_ways(tmp_path, smollm2_gguf):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     sets = FILES + [f"model.pretrained={smollm2_gguf}", f"artifact_root={tmp_path}/art", "data.test_sample=6",
+                    "data.dev_size=50",  # the excerpt (where ../shared is absent) has 300 training rows
                     "sft.max_steps=2", "sft.micro_batch_size=2", "sft.grad_accum=1", "sft.max_length=192",
                     "sft.warmup_steps=0", "grpo.rounds=1", "rollout.prompts_per_round=2",
                     "rollout.n_samples_per_prompt=2", "rollout.max_response_tokens=24", "rollout.dynamic_filter=none",
