@@ -254,15 +254,15 @@ def report_start_eval(run: PipelineRun, results: dict) -> None:
     run.report(start_accuracy=accuracy)
     # eval.pretrained and eval.few_shot: the policy before SFT, zero-shot and with k shots
     for name in ("pretrained", "few_shot"):
+        if f"eval/{name}_n" not in metrics:
+            continue
+        run.report(**{f"{name}_n": metrics[f"eval/{name}_n"], "held_out_n": metrics["eval/n"]})
         for key in ("accuracy", "flexible_accuracy", "lm_strict_accuracy", "lm_flexible_accuracy"):
             value = metrics.get(f"eval/{name}_{key}")
             if value is not None and value == value:  # NaN: a task with one verdict
                 run.report(**{f"{name}_{key}": value})
-    if "eval/few_shot_accuracy" in metrics:
+    if "eval/few_shot_n" in metrics:
         run.report(few_shot_k=float(run.cfg.eval.few_shot))
-    for name in ("pretrained", "few_shot"):
-        if f"eval/{name}_n" in metrics:
-            run.report(**{f"{name}_n": metrics[f"eval/{name}_n"], "held_out_n": metrics["eval/n"]})
     if run.cfg.sft.enabled:
         run.report(sft_accuracy=accuracy)
 

@@ -154,8 +154,8 @@ def _result(examples: list[dict], answers: list[tuple[str, int, str, dict, Verdi
             row["score"] = verdict.score
         if lm_eval:
             for mode in ("strict", "flexible"):
-                row[f"lm_{mode}"] = lm_eval_gsm8k.extract(text, mode)[:100]
-                row[f"correct_lm_{mode}"] = lm_eval_gsm8k.correct(text, ex["answer"], mode)
+                answer, row[f"correct_lm_{mode}"] = lm_eval_gsm8k.scored(text, ex["answer"], mode)
+                row[f"lm_{mode}"] = answer[:100]
         row.update({"format_ok": task.format_ok(text) if task.format_ok else None, "response_tokens": n_tokens,
                     "finish_reason": reason, **extra})
         rows.append(row)

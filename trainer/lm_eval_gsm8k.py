@@ -53,7 +53,12 @@ def normalised(text: str) -> str:
     return FINAL_DOT_RE.sub("", text).lower()
 
 
-def correct(response: str, gold: str, mode: str) -> bool:
-    """lm-eval's exact_match of the response's `mode` answer against `gold` (the answer column's
+def scored(response: str, gold: str, mode: str) -> tuple[str, bool]:
+    """The response's `mode` answer and lm-eval's exact_match of it against `gold` (the answer column's
     text, whole or its final answer: the `#### ` rule reduces both to the same string)."""
-    return normalised(extract(response, mode)) == normalised(gold)
+    answer = extract(response, mode)
+    return answer, normalised(answer) == normalised(gold)
+
+
+def correct(response: str, gold: str, mode: str) -> bool:
+    return scored(response, gold, mode)[1]
