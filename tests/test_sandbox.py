@@ -99,7 +99,7 @@ HOSTILE = {
     "20 GB allocation": ("def f(x):\n    b = bytearray(20 << 30)\n    return 2 * x\n", {"memory"}),
     "prints 1 GB": ("import sys\ndef f(x):\n    for _ in range(1024):\n        sys.stdout.write('x' * (1 << 20))\n",
                     {"output"}),
-    "returns 1 GB": ("def f(x):\n    return ['x' * (1 << 20)] * 1024\n", {"output", "memory"}),
+    "returns 1 GB": ("def f(x):\n    return ['x' * (1 << 20)] * 1024\n", {"output"}),
     "os._exit mid-test": ("import os\ndef f(x):\n    if x == 2:\n        os._exit(0)\n    return 2 * x + 1\n", {"exit"}),
     "exits 0 early": ("import os\nos._exit(0)\ndef f(x):\n    return 2 * x\n", {"exit"}),
     "prints a fake pass": ("import sys\nprint('3 passed')\nprint('{\"i\": 0, \"value\": 2}')\n"

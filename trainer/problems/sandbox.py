@@ -46,9 +46,16 @@ import json, os, sys
 req = json.loads(sys.stdin.read())
 sys.stdin.close()
 out = os.fdopen(req["result_fd"], "w", closefd=False)
+encoder = json.JSONEncoder()
 def say(obj):
-    out.write(json.dumps(obj) + "\n")
-    out.flush()
+    # streamed, so that a huge value meets the byte cap as it is written, not the memory limit as
+    # it is built; a line cut by an error is no JSON and is skipped, the error's line follows it
+    try:
+        for chunk in encoder.iterencode(obj):
+            out.write(chunk)
+    finally:
+        out.write("\n")
+        out.flush()
 def why(e):
     return (type(e).__name__ + ": " + str(e))[:300]
 ns = {"__name__": "solution", "__builtins__": __builtins__}
