@@ -135,6 +135,51 @@ def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p, d
     assert len({tuple(g.token_ids) for g in gens[:4]}) > 1
 
 
+def _shot_prompts(tok, n: int) -> list[list[int]]:
+    """Prompts that all open with the same two worked examples as earlier turns (a few-shot eval's
+    layout), then questions of uneven length; two of them twice (a group's samples)."""
+    shots = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "#### 42"},
+             {"role": "user", "content": "What is 50 + 7?"}, {"role": "assistant", "content": "#### 57"}]
+    out = [encode_prompt(tok, shots + [{"role": "user", "content": p["question"][: 16 - (i % 6)]}])
+           for i, p in enumerate(problems(n))]
+    return out + out[:2]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_prefix_every_prompt_shares_is_prefilled_once_and_decodes_as_alone(char_tok, kind, decoder_path,
+                                                                            monkeypatch):
+    """Few-shot prompts: the shared examples prefilled once and copied to every row decode the
+    greedy tokens HF `generate` gives each prompt whole, and sample log-probs that are the
+    trainer's."""
+    from trainer.inference import cpu
+
+    monkeypatch.setattr(cpu, "SHARED_PREFIX_MIN", 16)  # the tiny models' context holds 128 positions
+    shared, real = [], cpu.shared_prefix
+    monkeypatch.setattr(cpu, "shared_prefix", lambda seqs: shared.append(real(seqs)) or shared[-1])
+    model = _model(kind, char_tok)
+    prompts = _shot_prompts(char_tok, 18)
+    want = _hf_greedy(model, char_tok, prompts, 30)
+    got = generate(model, char_tok, prompts, 30, temperature=0.0, batch_size=20, logprobs=False)
+    assert shared and shared[0] >= 40  # the examples and the question's turn header
+    assert [g.token_ids for g in got] == want
+    gens = generate(model, char_tok, prompts, 24, temperature=1.0, seed=5, min_new_tokens=8)
+    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
+    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=1.0)
+    assert packed.mask.sum() >= 20 * 9
+    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+
+
+def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
+    from trainer.inference.cpu import shared_prefix
+
+    assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix([[7], [7, 8]]) == 0
+    assert shared_prefix([[1, 2], [3, 2]]) == 0
+
+
 def _free_and_held(kind: str, tok, eos_boost: float):
     """A model made to favour EOS, and its samples without and with min_new_tokens=5."""
     model = _model(kind, tok)

@@ -9,7 +9,8 @@ decoder runs the same layers with the same weights as plain tensor code:
   [B, kv_heads, prompt + max_new, head_dim];
 - the weights read as the model stores them ([out, in]), nothing copied or packed per call; with
   the compiled kernels every product runs `trainer/csrc/gemm.h`'s dot form, else `F.linear`;
-- the samples of one prompt share its prefill;
+- the samples of one prompt share its prefill, and a long prefix every prompt shares (few-shot
+  examples) is prefilled once;
 - rotary cos/sin from the model's own rotary module, computed once for every position;
 - grouped-query attention as SDPA over [B, kv_heads, groups, head_dim] queries (no K/V repeat);
 - finished sequences leave the batch, so a round whose answers end early stops paying for them;
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # cos/sin depend on the position alone
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the live batch has finished
+# a prefix every prompt of a batch shares is prefilled once from this many tokens on: a few-shot
+# eval's examples (about 1,000 tokens on GSM8K); shorter ones (a chat template's system turn) cost
+# little to prefill a row at a time
+SHARED_PREFIX_MIN = 128
 
 
 def unsupported(model: torch.nn.Module, adapters: bool = False, devices: tuple[str, ...] = ("cpu",)) -> str | None:
@@ -96,6 +101,17 @@ def distinct(seqs) -> tuple[list[int], torch.Tensor]:
             rows.append(i)
         inverse.append(number[key])
     return rows, torch.tensor(inverse)
+
+
+def shared_prefix(seqs) -> int:
+    """How many leading tokens every sequence shares, leaving each at least one of its own."""
+    first, n = seqs[0], min(len(q) for q in seqs) - 1
+    for q in seqs[1:]:
+        i = 0
+        while i < n and q[i] == first[i]:
+            i += 1
+        n = i
+    return max(n, 0)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -340,23 +356,42 @@ class FastDecoder:
         self._pack()
         self.kernel = self._kernel()
         B = len(prompts)
-        width = max(len(p) for p in prompts)
-        if width + max_new > self.max_positions:
-            max_new = max(0, self.max_positions - width)  # as the model itself could not go further
-        ids, valid = left_pad(prompts, pad, room=max_new)
-        valid = valid.bool()
-        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         # Samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs once and
         # its cache rows are copied out to the samples.
         rows, inverse = distinct(prompts)
         U = len(rows)
+        # Prompts that all open with the same long prefix (few-shot examples, a long system turn)
+        # prefill it once: it fills cache columns [0, P) of one row, copied to the others, and each
+        # prompt's own tokens follow it, left-padded, at columns [P, width). Positions count tokens,
+        # not columns, so each token's position is the one it has in its own prompt.
+        P = shared_prefix(prompts) if U > 1 else 0
+        if P < SHARED_PREFIX_MIN:
+            P = 0
+        own, valid = left_pad([p[P:] for p in prompts], pad, room=max_new)
+        width = P + own.shape[1]  # the longest prompt's length, as without a shared prefix
+        if width + max_new > self.max_positions:
+            max_new = max(0, self.max_positions - width)  # as the model itself could not go further
+            valid = valid[:, : own.shape[1] + max_new]
+        ids = torch.cat([torch.tensor(prompts[0][:P], dtype=torch.long).expand(B, P), own], dim=1)
+        valid = torch.cat([torch.ones(B, P, dtype=torch.bool), valid.bool()], dim=1)
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         dtype = self.embed.dtype
         caches = [(torch.zeros(U, self.kv_heads, self.head_dim, width + max_new, dtype=dtype),
                    torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype)) for _ in self.layers]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        if P:
+            causal = torch.ones(P, P, dtype=torch.bool).tril()
+            self._forward(ids[:1, :P], positions[:1, :P], [(kc[:1], vc[:1]) for kc, vc in caches], 0,
+                          causal[None, None])
+            for kc, vc in caches:
+                kc[1:, :, :, :P] = kc[:1, :, :, :P]
+                vc[1:, :, :P] = vc[:1, :, :P]
+        S = width - P
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
         # a left pad attends to itself only (no all-masked row); real tokens never see a pad
-        mask = (causal & valid[rows, None, :width]) | torch.eye(width, dtype=torch.bool)
-        logits = self._forward(ids[rows], positions[rows], caches, 0, mask[:, None])
+        mask = (causal & valid[rows, None, P:width]) | torch.eye(S, dtype=torch.bool)
+        if P:
+            mask = torch.cat([torch.ones(U, S, P, dtype=torch.bool), mask], dim=2)
+        logits = self._forward(ids[rows, P:], positions[rows, P:], caches, P, mask[:, None])
         if U < B:
             logits = logits[inverse]
             caches = [(kc[inverse], vc[inverse]) for kc, vc in caches]
