@@ -81,7 +81,8 @@ for _ in range(1200):
         if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200:
             break
     except OSError:
-        time.sleep(0.25)
+        pass
+    time.sleep(0.25)
 else:
     raise SystemExit(sys.argv[1] + " did not answer")
 """
@@ -320,24 +321,28 @@ def test_a_lost_host_fails_the_stage_and_a_retry_resumes_bit_identical(cluster, 
     root = "fault"
     seed(cluster, "two", root)
     sets = [a for o in BASE + [f"artifact_root=s3://{BUCKET}/{root}"] + TWO_HOSTS for a in ("--set", o)]
-    took = {}
-    for fault in ("kill", "link"):
-        if fault == "kill":
-            run = Run(cluster, ["grpo", "--preset", "tiny", *sets], {"POSTTRAIN_FAULT": "grpo_after_update@3:kill:1"})
-            fault_at = run.wait_for(r"rank=1 host=host-b killed by signal 9")
-        else:
-            run = Run(cluster, ["grpo", "--preset", "tiny", *sets])
-            run.wait_for(r"round 3")
-            cluster.link("b", False)
-            fault_at = time.monotonic()
+
+    def faulted(env: dict, fault) -> tuple[Run, float]:
+        """A try of the stage, `fault` done to it once it is under way; how long after the fault it
+        failed (cleanly: `_failed_cleanly`)."""
+        run = Run(cluster, ["grpo", "--preset", "tiny", *sets], env)
         try:
+            fault_at = fault(run)
             code = run.finish()
         finally:
             cluster.link("b", True)
-        assert code != 0, (fault, run.text()[-4000:])
-        if fault == "link":  # the try it failed had resumed from the kill's last checkpoint
-            assert "resumed" in run.text(), run.text()[-4000:]
-        took[fault] = _failed_cleanly(cluster, run, fault_at, root)
+        assert code != 0, run.text()[-4000:]
+        return run, _failed_cleanly(cluster, run, fault_at, root)
+
+    def pull_cable(run: Run) -> float:
+        run.wait_for(r"round 3")
+        cluster.link("b", False)
+        return time.monotonic()
+
+    _, killed = faulted({"POSTTRAIN_FAULT": "grpo_after_update@3:kill:1"},
+                        lambda run: run.wait_for(r"rank=1 host=host-b killed by signal 9"))
+    run, pulled = faulted({}, pull_cable)
+    assert "resumed" in run.text(), run.text()[-4000:]  # it had resumed from the kill's last checkpoint
 
     retry = posttrain(cluster, "grpo", root, TWO_HOSTS)
     result = retry.result()
@@ -345,7 +350,7 @@ def test_a_lost_host_fails_the_stage_and_a_retry_resumes_bit_identical(cluster, 
     m = manifest(cluster, result, "grpo")
     assert m["resumed_from_round"] == 2, m
     assert state_hash(cluster, result, "grpo") == state_hash(cluster, one_host, "grpo")
-    print(f"failed {took['kill']:.1f}s after a SIGKILLed rank, {took['link']:.1f}s after a pulled cable; the retry "
+    print(f"failed {killed:.1f}s after a SIGKILLed rank, {pulled:.1f}s after a pulled cable; the retry "
           f"resumed from round 2, state {state_hash(cluster, result, 'grpo')} = uninterrupted")
 
 
@@ -431,10 +436,7 @@ def test_rollouts_on_host_c_get_each_rounds_weights_through_s3(cluster, two_host
                     env=env(c, {"PYTHONPATH": f"{cl.REPO}:{standin}", "OMP_NUM_THREADS": "2"}),
                     log=c.root / "rollout-host-c.log")
     try:
-        wait = (f"import time, requests\nfor _ in range(600):\n    try:\n        if requests.get('{front_url}/health',"
-                f" timeout=2).status_code == 200: break\n    except requests.RequestException: pass\n    time.sleep(0.5)\n"
-                f"else: raise SystemExit('host C front not healthy')")
-        c.run("a", [PY, "-c", wait], timeout=400)
+        c.run("a", [PY, "-c", _WAIT_HEALTHY, f"{front_url}/health"], timeout=400)
         root = "rollouts-c"
         seed(c, "two", root)
         run = posttrain(c, "grpo", root, TWO_HOSTS + [
