@@ -94,6 +94,16 @@ def _hf_greedy(model, tok, prompts, max_new):
     return rows
 
 
+def _against_trainer(model, tok, gens, temperature: float = 1.0) -> tuple[float, float]:
+    """How many sampled tokens `gens` hold, and the largest gap between their engine log-probs and
+    the trainer's forward over the same packed sequences (right padding)."""
+    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
+    packed = pack(samples, [0.0] * len(samples), tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
+    return packed.mask.sum().item(), ((lp - packed.engine_logp).abs() * packed.mask).max().item()
+
+
 @pytest.fixture(params=["compiled", "torch-ops"])
 def decoder_path(request, monkeypatch):
     """Each test below runs once through the compiled decoding step and once through torch ops."""
@@ -125,12 +135,9 @@ def test_sampled_logprobs_are_the_trainers(char_tok, kind, temperature, top_p, d
     model = _model(kind, char_tok)
     prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
     gens = generate(model, char_tok, prompts, 24, temperature=temperature, top_p=top_p, seed=5)
-    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
-    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
-    assert packed.mask.sum() > 150  # enough sampled tokens to compare
-    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    tokens, gap = _against_trainer(model, char_tok, gens, temperature)
+    assert tokens > 150  # enough sampled tokens to compare
+    assert gap < 1e-4
     # the samples of one prompt differ (each row draws its own tokens)
     assert len({tuple(g.token_ids) for g in gens[:4]}) > 1
 
@@ -163,12 +170,9 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_and_decodes_as_alone(cha
     assert shared and shared[0] >= 40  # the examples and the question's turn header
     assert [g.token_ids for g in got] == want
     gens = generate(model, char_tok, prompts, 24, temperature=1.0, seed=5, min_new_tokens=8)
-    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
-    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=1.0)
-    assert packed.mask.sum() >= 20 * 9
-    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    tokens, gap = _against_trainer(model, char_tok, gens)
+    assert tokens >= 20 * 9
+    assert gap < 1e-4
 
 
 def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
@@ -435,13 +439,10 @@ def test_hf_path_sampled_logprobs_are_the_trainers(char_tok, hf_path, kind, temp
     model = _model(kind, char_tok)
     prompts = [p for p in _prompts(char_tok, 6) for _ in range(4)]
     gens = generate(model, char_tok, prompts, 24, temperature=temperature, top_p=top_p, seed=5, batch_size=10)
-    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in gens]
-    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn, temperature=temperature)
-    assert packed.mask.sum() > 150  # enough sampled tokens to compare
+    tokens, gap = _against_trainer(model, char_tok, gens, temperature)
+    assert tokens > 150  # enough sampled tokens to compare
     assert all(len(g.logprobs) == len(g.token_ids) for g in gens)
-    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    assert gap < 1e-4
     assert len({len(g.token_ids) for g in gens}) > 1  # rows stopped at different steps
 
 
@@ -449,11 +450,7 @@ def test_hf_path_min_new_tokens_holds_back_eos_and_keeps_the_unmasked_logprobs(c
     model, free, held = _free_and_held("qwen2", char_tok, 5)  # EOS likely early
     assert sum(len(g.token_ids) <= 5 for g in free) >= 4
     assert all(len(g.token_ids) >= 6 and char_tok.eos_token_id not in g.token_ids[:5] for g in held)
-    samples = [Sample(0, g.prompt_ids, g.token_ids, g.logprobs, g.text, g.finish_reason) for g in held]
-    packed = pack(samples, [0.0] * len(samples), char_tok.pad_token_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, packed.ids, packed.attn)
-    assert ((lp - packed.engine_logp).abs() * packed.mask).max().item() < 1e-4
+    assert _against_trainer(model, char_tok, held)[1] < 1e-4
 
 
 # ---------------------------------------------------------------- prompts the model's context cannot hold

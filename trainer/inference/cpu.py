@@ -372,7 +372,6 @@ class FastDecoder:
         if width + max_new > self.max_positions:
             max_new = max(0, self.max_positions - width)  # as the model itself could not go further
             valid = valid[:, : own.shape[1] + max_new]
-        ids = torch.cat([torch.tensor(prompts[0][:P], dtype=torch.long).expand(B, P), own], dim=1)
         valid = torch.cat([torch.ones(B, P, dtype=torch.bool), valid.bool()], dim=1)
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         dtype = self.embed.dtype
@@ -380,8 +379,8 @@ class FastDecoder:
                    torch.zeros(U, self.kv_heads, width + max_new, self.head_dim, dtype=dtype)) for _ in self.layers]
         if P:
             causal = torch.ones(P, P, dtype=torch.bool).tril()
-            self._forward(ids[:1, :P], positions[:1, :P], [(kc[:1], vc[:1]) for kc, vc in caches], 0,
-                          causal[None, None])
+            first = [(kc[:1], vc[:1]) for kc, vc in caches]  # views: the prefill writes into row 0
+            self._forward(torch.tensor(prompts[0][:P])[None], positions[:1, :P], first, 0, causal[None, None])
             for kc, vc in caches:
                 kc[1:, :, :, :P] = kc[:1, :, :, :P]
                 vc[1:, :, :P] = vc[:1, :, :P]
@@ -391,7 +390,7 @@ class FastDecoder:
         mask = (causal & valid[rows, None, P:width]) | torch.eye(S, dtype=torch.bool)
         if P:
             mask = torch.cat([torch.ones(U, S, P, dtype=torch.bool), mask], dim=2)
-        logits = self._forward(ids[rows, P:], positions[rows, P:], caches, P, mask[:, None])
+        logits = self._forward(own[rows], positions[rows, P:], caches, P, mask[:, None])
         if U < B:
             logits = logits[inverse]
             caches = [(kc[inverse], vc[inverse]) for kc, vc in caches]
